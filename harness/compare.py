@@ -1,0 +1,166 @@
+"""Comparison of a rank's outputs and gradient with the float64 reference.
+
+Tolerances, per logits dtype: an element fails when |got - want| > atol + rtol * |want| (NaN and
+inf always fail). Values are log-probs and entropies; grad is d loss / d logits.
+
+    dtype      values (atol, rtol)   grad (atol, rtol)
+    float32    1e-5, 1e-5            1e-6, 1e-4
+    float16    1e-3, 1e-3            1e-5, 2e-3
+    bfloat16   1e-2, 1.6e-2          1e-4, 1.6e-2
+
+The reference sees exactly the (rounded) logits the target sees, so these bound the target's
+arithmetic, not input rounding. float32 allows a few ulps of log-sum-exp over large vocabularies;
+half types allow computing in that type, and the gradient is rounded to the logits dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardcheck.harness import shard
+from shardcheck.harness.layout import RankLayout
+from shardcheck.harness.verdict import GRAD_MISMATCH, VALUE_MISMATCH, Failure
+from shardcheck.reference import logprob_entropy, loss_grad_chunks
+from shardcheck.scenarios.data import ScenarioData
+
+MAX_LISTED = 5  # mismatched elements listed per field and rank; the rest are counted
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    "float32": {"values": Tolerance(1e-5, 1e-5), "grad": Tolerance(1e-6, 1e-4)},
+    "float16": {"values": Tolerance(1e-3, 1e-3), "grad": Tolerance(1e-5, 2e-3)},
+    "bfloat16": {"values": Tolerance(1e-2, 1.6e-2), "grad": Tolerance(1e-4, 1.6e-2)},
+}
+
+
+def mismatch_mask(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> torch.Tensor:
+    close = (got - want).abs() <= tol.atol + tol.rtol * want.abs()
+    return ~close  # NaN compares False, so it is a mismatch
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.numel() == 0:
+        return 0.0
+    return float((got - want).abs().nan_to_num(nan=float("inf")).max())
+
+
+def compare_outputs(
+    layout: RankLayout,
+    data: ScenarioData,
+    log_probs: Sequence[torch.Tensor | None],
+    entropy: Sequence[torch.Tensor | None] | None,
+    rank: int,
+) -> tuple[list[Failure], dict[str, float]]:
+    """Check the per-sample outputs: their structure first, then every value."""
+    sc = layout.scenario
+    failures: list[Failure] = []
+    fields = {"log_probs": log_probs}
+    if sc.with_entropy:
+        fields["entropy"] = entropy
+    structure_ok = True
+    for name, outs in fields.items():
+        problem = _structure_problem(name, outs, layout)
+        if problem:
+            sample, msg = problem
+            failures.append(Failure(VALUE_MISMATCH, msg, [rank], field=name, sample=sample))
+            structure_ok = False
+    if not structure_ok:
+        return failures, {}
+    ref_lp, ref_ent = logprob_entropy(
+        shard.PieceRows(data, shard.share_pieces(layout)),
+        shard.share_targets(data, layout),
+        temperature=sc.temperature,
+    )
+    positions = shard.global_positions(layout)
+    tol = TOLERANCES[sc.dtype]["values"]
+    errors = {}
+    for name, want in (("log_probs", ref_lp), ("entropy", ref_ent)):
+        if name not in fields:
+            continue
+        outs = fields[name]
+        got = torch.cat([o.detach().reshape(-1).cpu().double() for o in outs]) if outs else want[:0]
+        errors[name] = _max_error(got, want)
+        bad = mismatch_mask(got, want, tol).nonzero().flatten().tolist()
+        for k in bad[:MAX_LISTED]:
+            sample, token = positions[k]
+            failures.append(Failure(
+                VALUE_MISMATCH,
+                f"{name} sample {sample} token {token}: got {got[k].item():.6g}, want {want[k].item():.6g}",
+                [rank], field=name, sample=sample, token=token, got=got[k].item(), want=want[k].item(),
+            ))
+        if len(bad) > MAX_LISTED:
+            failures.append(Failure(VALUE_MISMATCH, f"{name}: {len(bad) - MAX_LISTED} more mismatched tokens",
+                                    [rank], field=name, details={"count": len(bad)}))
+    return failures, errors
+
+
+def _structure_problem(
+    name: str, outs: Sequence[torch.Tensor | None] | None, layout: RankLayout
+) -> tuple[int | None, str] | None:
+    n = len(layout.share)
+    if outs is None:
+        return None, f"{name} is None (expected a list of {n} tensors)"
+    if len(outs) != n:
+        return None, f"{name} has {len(outs)} entries for {n} samples"
+    for i, (out, js) in enumerate(zip(outs, layout.share)):
+        if out is None:
+            return i, f"{name} of sample {i} is None (expected a tensor of {len(js)} elements)"
+        if not isinstance(out, torch.Tensor):
+            return i, f"{name} of sample {i} is a {type(out).__name__}, not a tensor"
+        if out.numel() != len(js) or out.dim() != 1:
+            return i, f"{name} of sample {i} has shape {tuple(out.shape)}, expected ({len(js)},)"
+    return None
+
+
+def compare_grad(
+    layout: RankLayout, data: ScenarioData, grad: torch.Tensor, rank: int
+) -> tuple[list[Failure], dict[str, float]]:
+    """Check d loss / d local logits against the reference gradient of the global loss."""
+    sc = layout.scenario
+    grad = grad.detach().reshape(layout.num_rows, -1).cpu().double()
+    targets, w_lp, w_ent = shard.row_targets_and_weights(data, layout)
+    rows = layout.row_positions()
+    tol = TOLERANCES[sc.dtype]["grad"]
+    a, _ = layout.columns
+    listed, count, worst = [], 0, 0.0
+    for start, want in loss_grad_chunks(
+        shard.PieceRows(data, layout.pieces), targets, w_lp, w_ent if sc.with_entropy else None,
+        entropy_coef=sc.entropy_coef, temperature=sc.temperature, columns=slice(*layout.columns),
+    ):
+        got = grad[start : start + want.size(0)]
+        worst = max(worst, _max_error(got, want))
+        bad = mismatch_mask(got, want, tol).nonzero().tolist()
+        count += len(bad)
+        for r, c in bad[: MAX_LISTED - len(listed)]:
+            stream, pos = rows[start + r]
+            listed.append(_grad_failure(layout, stream, pos, a + c, got[r, c].item(), want[r, c].item(), rank))
+    if count > len(listed):
+        listed.append(Failure(GRAD_MISMATCH, f"grad: {count - len(listed)} more mismatched elements",
+                              [rank], field="grad", details={"count": count}))
+    return listed, {"grad": worst}
+
+
+def _grad_failure(layout: RankLayout, stream: int, pos: int, column: int, got: float, want: float,
+                  rank: int) -> Failure:
+    samples = layout.scenario.samples
+    token = layout.scored_token(stream, pos)
+    if stream >= len(samples):
+        where, sample, pos_out = f"tail padding row {pos}", None, pos
+    elif token is not None:
+        where, sample, pos_out = f"sample {stream} token {token}", stream, pos
+    else:
+        kind = "padding" if pos >= samples[stream].total else "unscored"
+        where, sample, pos_out = f"sample {stream} {kind} row {pos}", stream, pos
+    return Failure(
+        GRAD_MISMATCH, f"grad {where} column {column}: got {got:.6g}, want {want:.6g}", [rank],
+        field="grad", sample=sample, token=token, position=pos_out, column=column, got=got, want=want,
+    )

@@ -1,0 +1,162 @@
+"""The rank side: a process that joins the world once, then runs scenario after scenario.
+
+It imports the protocol, the groups, the layouts and shards, the target and the comparison,
+never the controller. Each scenario: configure groups -> layout -> local shard -> target ->
+outputs -> loss and backward -> comparison with the reference -> a result message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
+    """Process entry point (spawned by the controller)."""
+    _die_with_parent()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import faulthandler
+    import signal
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    # On a timeout the controller asks where every rank stands before it ends them.
+    dump = open(options["traceback_file"], "w")  # noqa: SIM115 (lives as long as the process)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+
+    from shardcheck.harness import protocol
+
+    t0 = time.perf_counter()
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=options["collective_timeout"])
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=options["start_timeout"]))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        from shardcheck.harness import groups
+
+        groups.set_timeout(options["collective_timeout"])
+        import megatron.core.parallel_state  # noqa: F401  (pay the import before the first scenario)
+    except BaseException as exc:  # noqa: BLE001  (reported to the controller, then exit)
+        conn.send(protocol.message(protocol.FATAL, error=protocol.error_payload(exc)))
+        return
+    conn.send(protocol.message(protocol.READY, pid=os.getpid(), seconds=time.perf_counter() - t0))
+
+    runner = _Runner(rank)
+    while True:
+        try:
+            name, kwargs = conn.recv()
+        except (EOFError, OSError):  # the controller is gone
+            break
+        if name == protocol.STOP:
+            break
+        if name == protocol.RUN:
+            conn.send(protocol.message(protocol.RESULT, **runner.run(**kwargs)))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001  (best effort on the way out)
+        pass
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this rank if the controller dies, so no rank outlives a killed run."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Runner:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._targets: dict[str, Any] = {}
+
+    def target(self, spec: str) -> Any:
+        if spec not in self._targets:
+            from shardcheck.targets import resolve
+
+            self._targets[spec] = resolve(spec)
+        return self._targets[spec]
+
+    def run(self, scenario: dict[str, Any], target: str, seq: int) -> dict[str, Any]:
+        from shardcheck.harness import protocol
+        from shardcheck.harness.verdict import RANK_ERROR, Failure
+
+        t0 = time.perf_counter()
+        try:
+            failures, errors, described = self._run(scenario, target)
+        except BaseException as exc:  # noqa: BLE001  (a crash of the target is a finding)
+            from shardcheck.harness import groups
+
+            groups.reset()  # peers may be stuck mid-collective: rebuild groups next time
+            import torch
+
+            # where: the innermost frame outside torch, i.e. the call site in the target
+            err = protocol.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__),))
+            msg = f"rank {self.rank} raised {err['type']}: {err['message']}" + (
+                f" at {err['where']}" if err["where"] else "")
+            failures = [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
+            errors, described = {}, {}
+        return {
+            "seq": seq,
+            "failures": [f.to_dict() for f in failures],
+            "max_error": errors,
+            "seconds": time.perf_counter() - t0,
+            "target": described,
+        }
+
+    def _run(self, scenario_dict: dict[str, Any], spec: str) -> tuple[list, dict, dict]:
+        import torch
+
+        from shardcheck.harness import groups, shard
+        from shardcheck.harness.compare import compare_grad, compare_outputs
+        from shardcheck.harness.layout import rank_layout
+        from shardcheck.harness.loss import share_loss
+        from shardcheck.scenarios import Scenario
+        from shardcheck.scenarios.data import ScenarioData
+        from shardcheck.targets import RankInputs
+
+        sc = Scenario.from_dict(scenario_dict)
+        target = self.target(spec)
+        groups.configure(sc.tp, sc.cp)
+        layout = rank_layout(sc, groups.tp_rank(), groups.cp_rank())
+        data = ScenarioData(sc)
+        logits = shard.local_logits(data, layout).requires_grad_()
+        inputs = RankInputs(
+            logits=logits,
+            tokens=[data.tokens(i) for i in range(len(sc.samples))],
+            total_lengths=[s.total for s in sc.samples],
+            response_lengths=[s.response for s in sc.samples],
+            layout=sc.layout,
+            with_entropy=sc.with_entropy,
+            entropy_coef=float(sc.entropy_coef),
+            temperature=float(sc.temperature),
+            chunk_size=sc.log_probs_chunk_size,
+            max_seq_lens=[layout.shape[1]] * len(sc.samples) if sc.layout == "bshd" else None,
+            tp_group=groups.tp_group(),
+            cp_group=groups.cp_group(),
+            tp_rank=groups.tp_rank(),
+            tp_size=sc.tp,
+            cp_rank=groups.cp_rank(),
+            cp_size=sc.cp,
+        )
+        outputs = target.compute(inputs)
+        entropy = outputs.entropy if sc.with_entropy else None
+        failures, errors = compare_outputs(layout, data, outputs.log_probs, entropy, self.rank)
+        # Differentiate whatever is well formed, so a malformed output on one rank does not
+        # leave its peers alone in a backward collective.
+        loss = share_loss(outputs.log_probs, entropy, shard.share_weights(data, layout), sc.entropy_coef)
+        if loss.requires_grad:
+            loss.backward()
+        grad = logits.grad if logits.grad is not None else torch.zeros_like(logits)
+        grad_failures, grad_errors = compare_grad(layout, data, grad, self.rank)
+        return failures + grad_failures, errors | grad_errors, target.describe()

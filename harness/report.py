@@ -1,0 +1,165 @@
+"""Two renderings of the same verdicts: a terminal (live progress line, summary table) and a
+JSON report rewritten atomically after every verdict, so a run that is killed keeps what it found.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+from shardcheck.harness.verdict import FAIL, PASS, SKIP, Verdict
+from shardcheck.scenarios.scenario import Scenario
+
+MAX_FAILURES_SHOWN = 8
+
+
+def _counts(verdicts: list[Verdict]) -> dict[str, int]:
+    return {k: sum(v.status == k for v in verdicts) for k in (PASS, FAIL, SKIP)} | {"total": len(verdicts)}
+
+
+class JsonReport:
+    def __init__(self, path: str, meta: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.verdicts: list[Verdict] = []
+        self.doc: dict[str, Any] = {
+            "shardcheck": _version(),
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "complete": False,
+            **(meta or {}),
+        }
+        self._write()  # fail early (unwritable path) and leave a file even if nothing finishes
+
+    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
+        self.doc.update(info)
+        self.doc["planned"] = len(scenarios)
+        self._write()
+
+    def add(self, verdict: Verdict) -> None:
+        self.verdicts.append(verdict)
+        self._write()
+
+    def finish(self, info: dict[str, Any]) -> None:
+        self.doc.update(info)
+        self.doc["complete"] = len(self.verdicts) == self.doc.get("planned", len(self.verdicts))
+        self._write()
+
+    def _write(self) -> None:
+        self.doc["summary"] = _counts(self.verdicts)
+        self.doc["scenarios"] = [v.to_dict() for v in self.verdicts]
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.doc, f, indent=1, default=str)
+        os.replace(tmp, self.path)
+
+
+class TerminalReport:
+    """A live progress line on a terminal (one line per scenario otherwise), then a table."""
+
+    def __init__(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr, quiet: bool = False) -> None:
+        self.out, self.err, self.quiet = out, err, quiet
+        self.live = err.isatty()
+        self.verdicts: list[Verdict] = []
+        self.total = 0
+        self.order: dict[str, int] = {}
+        self.t0 = time.perf_counter()
+
+    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
+        self.total, self.t0 = len(scenarios), time.perf_counter()
+        self.order = {sc.name: i for i, sc in enumerate(scenarios)}
+        total = self.total
+        t = info.get("target", {})
+        if not self.quiet:
+            print(f"shardcheck: target {t.get('name', '?')} {t.get('version', '')}".rstrip()
+                  + f", {total} scenarios, {info.get('ranks')} ranks ({info.get('backend')})", file=self.err)
+
+    def add(self, verdict: Verdict) -> None:
+        self.verdicts.append(verdict)
+        if self.quiet:
+            return
+        c = _counts(self.verdicts)
+        line = (f"[{len(self.verdicts):>{len(str(self.total))}}/{self.total}] {time.perf_counter() - self.t0:6.1f}s "
+                f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {verdict.scenario.name}")
+        if self.live:
+            print("\r\033[K" + line[:_width() - 1], end="", file=self.err, flush=True)
+        else:
+            print(line, file=self.err, flush=True)
+
+    def finish(self, info: dict[str, Any]) -> None:
+        if self.live and not self.quiet:
+            print(file=self.err)
+        in_suite_order = sorted(self.verdicts, key=lambda v: self.order.get(v.scenario.name, 0))
+        print(render_table(in_suite_order, info), file=self.out)
+
+
+def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
+    rows = [("scenario", "layout", "tp", "cp", "verdict", "time", "detail")]
+    for v in verdicts:
+        sc = v.scenario
+        rows.append((sc.name, sc.layout, str(sc.tp), str(sc.cp), v.status.upper() if v.status == FAIL else v.status,
+                     f"{v.seconds:.2f}s" if v.status != SKIP else "-", _clip(v.headline(), 90)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 6)
+    failed = [v for v in verdicts if v.status == FAIL]
+    for v in failed:
+        lines.append("")
+        lines.append(f"FAILED {v.scenario.name}  ({v.scenario.summary()})")
+        for f in v.failures[:MAX_FAILURES_SHOWN]:
+            lines.append(f"  {f.kind} [ranks {_ranks(f.ranks)}]: {f.message}")
+        if len(v.failures) > MAX_FAILURES_SHOWN:
+            lines.append(f"  ... {len(v.failures) - MAX_FAILURES_SHOWN} more in the JSON report")
+    c = _counts(verdicts)
+    start = info.get("startup_seconds") or []
+    lines.append("")
+    lines.append(
+        f"{c['total']} scenarios: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped "
+        f"in {info.get('wall_seconds', 0):.1f}s"
+        + (f" (world start-up {sum(start):.1f}s, {len(start)} start{'s' if len(start) != 1 else ''}, "
+           f"{info.get('ranks')} ranks)" if start else "")
+    )
+    return "\n".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
+
+
+def _clip(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _width() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except OSError:
+        return 120
+
+
+def _version() -> str:
+    from shardcheck import __version__
+
+    return __version__
+
+
+class Reporters:
+    """Fans every event out to several reporters."""
+
+    def __init__(self, *reporters: Any) -> None:
+        self.reporters = [r for r in reporters if r is not None]
+
+    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
+        for r in self.reporters:
+            r.start(info, scenarios)
+
+    def add(self, verdict: Verdict) -> None:
+        for r in self.reporters:
+            r.add(verdict)
+
+    def finish(self, info: dict[str, Any]) -> None:
+        for r in self.reporters:
+            r.finish(info)

@@ -1,0 +1,98 @@
+"""Runs scenarios against a target on one reused world and turns rank results into verdicts."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shardcheck.harness.verdict import FAIL, SKIP, Failure, Verdict, merge
+from shardcheck.harness.world import World
+from shardcheck.scenarios.scenario import Scenario
+from shardcheck.targets import Target, resolve
+
+
+class Reporter(Protocol):
+    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None: ...
+    def add(self, verdict: Verdict) -> None: ...
+    def finish(self, info: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class RunResult:
+    verdicts: list[Verdict]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(v.status == FAIL for v in self.verdicts) else 0
+
+
+def world_size_for(scenarios: Sequence[Scenario]) -> int:
+    """The smallest world every scenario fits in (data-parallel replicas fill the rest)."""
+    return math.lcm(*(s.ranks for s in scenarios)) if scenarios else 1
+
+
+def run(
+    scenarios: Sequence[Scenario],
+    target_spec: str,
+    *,
+    reporter: Reporter,
+    nproc: int | None = None,
+    timeout: float = 60.0,
+    world: World | None = None,
+) -> RunResult:
+    """Check every scenario; ranks start once (on first need) and are reused throughout.
+
+    Data-parallel replicas (when tp * cp < world size) run the same scenario, and each is
+    checked: replicas that disagree are a finding too.
+    """
+    target: Target = resolve(target_spec)
+    t0 = time.perf_counter()
+    skips: dict[str, str] = {}
+    for sc in scenarios:
+        reason = target.capabilities.skip_reason(sc)
+        if reason is None and nproc is not None and nproc % sc.ranks:
+            reason = f"needs tp*cp={sc.ranks} to divide the world size {nproc}"
+        if reason is not None:
+            skips[sc.name] = reason
+    runnable = [sc for sc in scenarios if sc.name not in skips]
+    size = world.nproc if world is not None else nproc or world_size_for(runnable)
+    info: dict[str, Any] = {"target": target.describe(), "target_spec": target_spec, "ranks": size,
+                            "backend": "gloo"}
+    reporter.start(info, list(scenarios))
+    verdicts = [Verdict(sc, SKIP, reason=skips[sc.name]) for sc in scenarios if sc.name in skips]
+    for v in verdicts:
+        reporter.add(v)
+    own_world = world is None and bool(runnable)
+    if own_world:
+        world = World(size, timeout=timeout)
+    try:
+        if own_world:
+            world.start()  # start-up is reported on its own, not charged to the first scenario
+        # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
+        for sc in sorted(runnable, key=lambda s: (s.tp, s.cp)):
+            started = time.perf_counter()
+            results = world.run(sc.to_dict(), target_spec)
+            verdict = merge(
+                sc,
+                [[Failure.from_dict(f) for f in r["failures"]] for r in results],
+                [r["max_error"] for r in results],
+                time.perf_counter() - started,
+            )
+            if results and results[0].get("target"):
+                info["target"] = results[0]["target"]
+            verdicts.append(verdict)
+            reporter.add(verdict)
+    finally:
+        if world is not None:
+            info["startup_seconds"] = [round(s, 3) for s in world.startup_seconds]
+        if own_world:
+            world.close()
+        info["wall_seconds"] = round(time.perf_counter() - t0, 3)
+        order = {sc.name: i for i, sc in enumerate(scenarios)}
+        verdicts.sort(key=lambda v: order[v.scenario.name])  # suite order, whatever ran first
+        reporter.finish(info)
+    return RunResult(verdicts, info)

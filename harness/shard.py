@@ -1,0 +1,104 @@
+"""From a scenario's global data to one rank's local inputs, and from the rank's outputs back
+to global (sample, response token) positions."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from shardcheck.harness.layout import Piece, RankLayout
+from shardcheck.scenarios.data import ScenarioData
+
+
+class PieceRows:
+    """The rows of a list of pieces as one lazily generated ``[n, V]`` matrix (a reference Rows)."""
+
+    def __init__(self, data: ScenarioData, pieces: Sequence[Piece]) -> None:
+        self.data = data
+        self.pieces = list(pieces)
+        self.starts = [0]
+        for p in self.pieces:
+            self.starts.append(self.starts[-1] + p.rows)
+        self.num_rows = self.starts[-1]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        out = []
+        k = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        while start < stop and k < len(self.pieces):
+            piece, base = self.pieces[k], self.starts[k]
+            a, b = start - base, min(stop - base, piece.rows)
+            out.append(self.data.logit_rows(piece.stream, piece.start + a, piece.start + b))
+            start, k = base + b, k + 1
+        if not out:
+            return self.data.logit_rows(0, 0, 0)
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def local_logits(data: ScenarioData, layout: RankLayout) -> torch.Tensor:
+    """The rank's logits in the layout's shape, its vocab columns only, as a fresh leaf."""
+    rows = PieceRows(data, layout.pieces).rows(0, layout.num_rows)
+    a, b = layout.columns
+    return rows[:, a:b].contiguous().reshape(layout.shape)
+
+
+def row_targets_and_weights(
+    data: ScenarioData, layout: RankLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per local row: the token it scores and its (w_logprob, w_entropy) in the global loss.
+
+    Rows that score no response token get token 0 and weight 0.
+    """
+    n = layout.num_rows
+    targets = torch.zeros(n, dtype=torch.int64)
+    w_lp = torch.zeros(n, dtype=torch.float32)
+    w_ent = torch.zeros(n, dtype=torch.float32)
+    weights = {}
+    for row, (stream, pos) in enumerate(layout.row_positions()):
+        j = layout.scored_token(stream, pos)
+        if j is None:
+            continue
+        if stream not in weights:
+            weights[stream] = data.loss_weights(stream)
+        targets[row] = data.tokens(stream)[pos + 1]
+        w_lp[row] = weights[stream][0][j]
+        w_ent[row] = weights[stream][1][j]
+    return targets, w_lp, w_ent
+
+
+def share_pieces(layout: RankLayout) -> list[Piece]:
+    """The logit rows scoring the rank's share, as pieces (runs of consecutive tokens)."""
+    pieces: list[Piece] = []
+    for i, tokens in enumerate(layout.share):
+        first = layout.scenario.samples[i].prompt - 1
+        for j in tokens:
+            row = first + j
+            last = pieces[-1] if pieces else None
+            if last is not None and last.stream == i and last.stop == row:
+                pieces[-1] = Piece(i, last.start, row + 1)
+            else:
+                pieces.append(Piece(i, row, row + 1))
+    return pieces
+
+
+def share_targets(data: ScenarioData, layout: RankLayout) -> torch.Tensor:
+    """The token each share row scores, concatenated over samples."""
+    out = [data.tokens(i)[layout.scenario.samples[i].prompt + torch.tensor(js, dtype=torch.int64)]
+           for i, js in enumerate(layout.share)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def global_positions(layout: RankLayout) -> list[tuple[int, int]]:
+    """(sample, response token) of every element of the rank's concatenated outputs."""
+    return [(i, j) for i, js in enumerate(layout.share) for j in js]
+
+
+def share_weights(data: ScenarioData, layout: RankLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, the loss weights of the rank's share tokens, in output order."""
+    out = []
+    for i, js in enumerate(layout.share):
+        w_lp, w_ent = data.loss_weights(i)
+        idx = torch.tensor(js, dtype=torch.int64)
+        out.append((w_lp[idx], w_ent[idx]))
+    return out

@@ -1,0 +1,120 @@
+"""Verdicts: one per scenario, made of plain data (they travel from ranks and into JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from dataclasses import field as _field
+from typing import Any
+
+from shardcheck.scenarios.scenario import Scenario
+
+VALUE_MISMATCH = "value_mismatch"
+GRAD_MISMATCH = "grad_mismatch"
+RANK_ERROR = "rank_error"
+KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR)
+
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+
+
+@dataclass
+class Failure:
+    """One thing found wrong. Position fields are global: sample index, response token index
+    (row P - 1 + token scores it), vocab column; ``position`` is the row's place in its sample
+    (used for rows that score no token: prompt and padding rows)."""
+
+    kind: str
+    message: str
+    ranks: list[int] = _field(default_factory=list)
+    field: str | None = None  # log_probs | entropy | grad
+    sample: int | None = None
+    token: int | None = None
+    position: int | None = None
+    column: int | None = None
+    got: float | None = None
+    want: float | None = None
+    details: dict[str, Any] = _field(default_factory=dict)
+
+    def identity(self) -> tuple:
+        """What makes two ranks' reports the same finding (TP and DP replicas repeat them)."""
+        return (self.kind, self.field, self.sample, self.token, self.position, self.column, self.message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, {}, [])} | {
+            "ranks": self.ranks
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Failure:
+        return cls(**d)
+
+
+@dataclass
+class Verdict:
+    scenario: Scenario
+    status: str
+    failures: list[Failure] = _field(default_factory=list)
+    reason: str | None = None  # why skipped
+    seconds: float = 0.0
+    max_error: dict[str, float] = _field(default_factory=dict)  # field -> max |got - want|
+
+    @property
+    def kinds(self) -> list[str]:
+        return sorted({f.kind for f in self.failures})
+
+    def headline(self) -> str:
+        if self.status == SKIP:
+            return f"skipped: {self.reason}"
+        if self.status == PASS:
+            return "ok"
+        f = self.failures[0]
+        more = len(self.failures) - 1
+        return f"{f.kind}: {f.message}" + (f" (+{more} more)" if more else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        sc = self.scenario
+        return {
+            "name": sc.name,
+            "layout": sc.layout,
+            "tp": sc.tp,
+            "cp": sc.cp,
+            "verdict": self.status,
+            "kinds": self.kinds,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 4),
+            "max_error": self.max_error,
+            "failures": [f.to_dict() for f in self.failures],
+            "scenario": sc.to_dict(),
+        }
+
+
+def merge(scenario: Scenario, rank_failures: list[list[Failure]], max_errors: list[dict[str, float]],
+          seconds: float) -> Verdict:
+    """One verdict from every rank's findings; replicas' identical findings merge, ranks listed."""
+    merged: dict[tuple, Failure] = {}
+    for failures in rank_failures:
+        for f in failures:
+            key = f.identity()
+            if key in merged:
+                merged[key].ranks = sorted(set(merged[key].ranks) | set(f.ranks))
+            else:
+                merged[key] = dataclasses.replace(f, ranks=list(f.ranks))
+    failures = sorted(merged.values(), key=_order)
+    worst: dict[str, float] = {}
+    for errs in max_errors:
+        for k, v in errs.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+    return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst)
+
+
+def _order(f: Failure) -> tuple:
+    # rank errors first, earliest first (the root cause; peers' timeouts follow), then by position
+    return (
+        0 if f.kind == RANK_ERROR else 1,
+        f.details.get("at", 0.0),
+        f.sample if f.sample is not None else -1,
+        f.token if f.token is not None else -1,
+        f.position if f.position is not None else -1,
+        f.column if f.column is not None else -1,
+        f.field or "",
+    )

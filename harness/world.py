@@ -1,0 +1,251 @@
+"""The controller side of the world: rank processes started once and reused scenario after
+scenario, with every wait bounded.
+
+The controller owns the rendezvous store (a TCPStore on a port the OS picks, so two runs never
+race for a port) and one pipe per rank. A rank that dies, raises or hangs becomes a result with a
+``rank_error``; after such a scenario the world is restarted before the next one, transparently.
+On a hang the controller first asks every rank for its stack (faulthandler), then ends them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+from shardcheck.errors import WorldError
+from shardcheck.harness import protocol
+from shardcheck.harness.rank import rank_main
+from shardcheck.harness.verdict import RANK_ERROR, Failure
+
+DEATH_GRACE_S = 3.0  # after a rank dies, how long its peers get to report before they are ended
+
+
+class World:
+    def __init__(self, nproc: int, *, timeout: float = 60.0, start_timeout: float = 180.0) -> None:
+        if nproc < 1:
+            raise ValueError(f"a world needs at least one rank, got {nproc}")
+        self.nproc = nproc
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.generation = 0
+        self.startup_seconds: list[float] = []  # wall time of each (re)start
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._store: Any = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._healthy = False
+        self._seq = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> World:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def started(self) -> bool:
+        return bool(self._procs)
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        self.generation += 1
+        self._dir = tempfile.TemporaryDirectory(prefix="shardcheck-world-")
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.start_timeout))
+        ctx = mp.get_context("spawn")
+        atexit.register(self.close)
+        for rank in range(self.nproc):
+            parent, child = ctx.Pipe(duplex=True)
+            options = {
+                "collective_timeout": self.timeout,
+                "start_timeout": self.start_timeout,
+                "traceback_file": self._traceback_file(rank),
+            }
+            p = ctx.Process(target=rank_main, args=(rank, self.nproc, self._store.port, child, options),
+                            name=f"shardcheck-rank{rank}", daemon=True)
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        try:
+            self._await_ready(t0 + self.start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._healthy = True
+        self.startup_seconds.append(time.perf_counter() - t0)
+
+    def _await_ready(self, deadline: float) -> None:
+        waiting = set(range(self.nproc))
+        while waiting:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise WorldError(f"ranks {sorted(waiting)} did not join the world within {self.start_timeout:.0f}s")
+            ready = wait([self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
+                         timeout=left)
+            for r in list(waiting):
+                if self._conns[r] in ready:
+                    try:
+                        name, kwargs = self._conns[r].recv()
+                    except (EOFError, OSError):
+                        name, kwargs = protocol.FATAL, {"error": {"type": "EOFError", "message": "pipe closed"}}
+                    if name == protocol.READY:
+                        waiting.discard(r)
+                    elif name == protocol.FATAL:
+                        e = kwargs["error"]
+                        raise WorldError(f"rank {r} failed to start: {e['type']}: {e['message']}")
+                elif self._procs[r].sentinel in ready:
+                    self._procs[r].join(timeout=1.0)
+                    raise WorldError(f"rank {r} exited while starting ({_exit_text(self._procs[r].exitcode)})")
+
+    def close(self) -> None:
+        """End every rank (politely, then by force) and release the store; idempotent."""
+        for conn in self._conns:
+            try:
+                conn.send(protocol.message(protocol.STOP))
+            except (OSError, ValueError):
+                pass
+        deadline = time.perf_counter() + 5.0
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.perf_counter()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        self._store = None  # the last reference: the server socket closes
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+        self._healthy = False
+        atexit.unregister(self.close)
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+    # -- work -------------------------------------------------------------------------------
+    def run(self, scenario: dict[str, Any], target: str) -> list[dict[str, Any]]:
+        """Run one scenario on every rank; one result dict per rank, always, within the timeout.
+
+        A rank that raised, died or hung comes back as a result holding a ``rank_error``.
+        """
+        if not self._healthy:
+            if self.started:
+                self.close()
+            self.start()
+        self._seq += 1
+        seq = self._seq
+        for conn in self._conns:
+            conn.send(protocol.message(protocol.RUN, scenario=scenario, target=target, seq=seq))
+        results: dict[int, dict[str, Any]] = {}
+        deadline = time.perf_counter() + self.timeout + 10.0  # ranks time out first, by themselves
+        while len(results) < self.nproc:
+            pending = [r for r in range(self.nproc) if r not in results]
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                self._end_hung(pending, results, f"no result within {self.timeout + 10.0:.0f}s")
+                break
+            ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
+                         timeout=left)
+            for r in pending:
+                if self._conns[r] in ready:
+                    try:
+                        name, kwargs = self._conns[r].recv()
+                    except (EOFError, OSError):
+                        continue  # the sentinel reports the death
+                    getattr(self, "_on_" + name)(r, seq, kwargs, results)
+                elif self._procs[r].sentinel in ready and r not in results:
+                    self._procs[r].join(timeout=1.0)
+                    results[r] = _error_result(r, f"rank {r} died ({_exit_text(self._procs[r].exitcode)})")
+                    deadline = min(deadline, time.perf_counter() + DEATH_GRACE_S)
+        if any(f["kind"] == RANK_ERROR for res in results.values() for f in res["failures"]):
+            self._healthy = False  # groups may be out of step: restart before the next scenario
+        return [results[r] for r in range(self.nproc)]
+
+    def _on_result(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
+        """Emitted when a rank has finished a scenario."""
+        if kwargs["seq"] == seq:
+            results[rank] = kwargs
+
+    def _on_fatal(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
+        """Emitted when a rank cannot go on."""
+        e = kwargs["error"]
+        results[rank] = _error_result(rank, f"rank {rank} failed: {e['type']}: {e['message']}")
+
+    def _on_ready(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
+        """Emitted once per start; late ones are harmless."""
+
+    def _end_hung(self, pending: list[int], results: dict[int, Any], why: str) -> None:
+        stacks = self._stacks(pending)
+        for r in pending:
+            where = stacks.get(r) or "no stack available"
+            results[r] = _error_result(r, f"rank {r} hung: {why}; it was at {where}",
+                                       details={"stack": stacks.get(r, "")})
+        self._healthy = False
+        self.close()
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask hung ranks where they are (faulthandler on SIGUSR1), the innermost shardcheck or
+        user frame first."""
+        for r in ranks:
+            if self._procs[r].is_alive():
+                try:
+                    os.kill(self._procs[r].pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.3)
+        out = {}
+        for r in ranks:
+            try:
+                with open(self._traceback_file(r)) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            out[r] = _innermost_frame(text)
+        return out
+
+    def _traceback_file(self, rank: int) -> str:
+        assert self._dir is not None
+        return os.path.join(self._dir.name, f"rank{rank}.stack")
+
+
+def _innermost_frame(faulthandler_text: str) -> str:
+    # faulthandler prints the most recent call first: 'File "x.py", line 12 in fn'. The main
+    # thread's block comes last; prefer its innermost frame outside torch itself.
+    blocks = faulthandler_text.strip().split("\n\n")
+    frames = [ln.strip() for ln in blocks[-1].splitlines() if ln.strip().startswith("File ")]
+    outside = [f for f in frames if "/torch/" not in f]
+    if outside:
+        inner = f" (inside {frames[0]})" if frames and frames[0] != outside[0] else ""
+        return outside[0] + inner
+    return frames[0] if frames else faulthandler_text.strip()[:200]
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _error_result(rank: int, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    failure = Failure(RANK_ERROR, message, [rank], details={"at": time.time(), **(details or {})})
+    return {"seq": None, "failures": [failure.to_dict()], "max_error": {}, "seconds": 0.0, "target": {}}

@@ -1,0 +1,81 @@
+"""Deterministic inputs of a scenario: logits, tokens and loss weights, generated from its seed.
+
+Every rank generates only what it holds, and the same row always gets the same values wherever
+it is generated: rows come in fixed blocks, each drawn from a generator keyed by
+(seed, stream, block). A stream is a sample (its positions past the sample's end are padding) or
+the tail padding of the packed all-gather sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from shardcheck.scenarios.scenario import Scenario
+
+BLOCK_ROWS = 64
+LOGIT_SCALE = 2.0
+PAD_SCALE = 4.0  # padding rows are garbage, not zeros: an implementation must ignore them
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _generator(*key: object) -> torch.Generator:
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+class ScenarioData:
+    """The inputs of one scenario; cheap to build, generates lazily."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.dtype = torch_dtype(scenario.dtype)
+        self.tail_stream = len(scenario.samples)
+        self._token_cache: dict[int, torch.Tensor] = {}
+
+    def tokens(self, sample: int) -> torch.Tensor:
+        """The sample's token ids, int64 ``[total]``."""
+        if sample not in self._token_cache:
+            s = self.scenario
+            g = _generator(s.seed, "tokens", sample)
+            total = s.samples[sample].total
+            self._token_cache[sample] = torch.randint(0, s.vocab, (total,), generator=g, dtype=torch.int64)
+        return self._token_cache[sample].clone()
+
+    def logit_rows(self, stream: int, start: int, stop: int) -> torch.Tensor:
+        """Logit rows ``[start, stop)`` of a stream, ``[stop - start, vocab]`` in the scenario dtype.
+
+        For a sample stream, rows at or past the sample's total length are padding.
+        """
+        if stop <= start:
+            return torch.empty((0, self.scenario.vocab), dtype=self.dtype)
+        first, last = start // BLOCK_ROWS, (stop - 1) // BLOCK_ROWS
+        blocks = [self._block(stream, b) for b in range(first, last + 1)]
+        rows = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+        offset = first * BLOCK_ROWS
+        return rows[start - offset : stop - offset]
+
+    def _block(self, stream: int, block: int) -> torch.Tensor:
+        s = self.scenario
+        g = _generator(s.seed, "logits", stream, block)
+        rows = torch.randn((BLOCK_ROWS, s.vocab), generator=g, dtype=torch.float32)
+        positions = torch.arange(block * BLOCK_ROWS, (block + 1) * BLOCK_ROWS)
+        if stream == self.tail_stream:
+            is_pad = torch.ones(BLOCK_ROWS, dtype=torch.bool)
+        else:
+            is_pad = positions >= s.samples[stream].total
+        scale = torch.where(is_pad, PAD_SCALE, LOGIT_SCALE).unsqueeze(1)
+        return (rows * scale).to(self.dtype)
+
+    def loss_weights(self, sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per response token weights ``(w_logprob, w_entropy)``, float32 ``[response]`` each."""
+        s = self.scenario
+        g = _generator(s.seed, "weights", sample)
+        w = torch.rand((2, s.samples[sample].response), generator=g, dtype=torch.float32) * 2 - 1
+        return w[0].clone(), w[1].clone()

@@ -1,0 +1,169 @@
+"""A scenario: one sharded computation to check, as plain data that round-trips through JSON.
+
+Nothing big is stored: logits, tokens and loss weights are generated from ``seed`` on every rank
+(see :mod:`shardcheck.scenarios.data`), so a scenario travels to the ranks as a few hundred bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardcheck.errors import BadInput
+
+LAYOUTS = ("thd", "bshd", "zigzag", "allgather")
+CP_LAYOUTS = ("zigzag", "allgather")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sequence: ``total`` tokens of which the last ``response`` are scored."""
+
+    total: int
+    response: int
+
+    @property
+    def prompt(self) -> int:
+        return self.total - self.response
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    samples: tuple[Sample, ...]
+    vocab: int
+    tp: int = 1
+    cp: int = 1
+    layout: str = "thd"
+    with_entropy: bool = True
+    entropy_coef: float = 0.0
+    log_probs_chunk_size: int = -1
+    temperature: float = 1.0
+    dtype: str = "float32"
+    seed: int = 0
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists of pairs or dicts (what JSON gives) and normalise to Sample tuples.
+        object.__setattr__(self, "samples", tuple(_as_sample(s, self.name) for s in self.samples))
+        validate(self)
+
+    # JSON -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["samples"] = [[s.total, s.response] for s in self.samples]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Scenario:
+        if not isinstance(data, dict):
+            raise BadInput(f"a scenario must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise BadInput(f"scenario {data.get('name', '?')!r}: unknown field(s) {', '.join(unknown)}")
+        missing = [k for k in ("name", "samples", "vocab") if k not in data]
+        if missing:
+            raise BadInput(f"scenario {data.get('name', '?')!r}: missing field(s) {', '.join(missing)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a wrong type deep inside, e.g. samples=3
+            raise BadInput(f"scenario {data.get('name', '?')!r}: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Scenario:
+        return cls.from_dict(json.loads(text))
+
+    @property
+    def key(self) -> str:
+        """Content hash (canonical JSON without name/description): same computation, same key."""
+        d = self.to_dict()
+        d.pop("name")
+        d.pop("description")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.cp
+
+    def summary(self) -> str:
+        lengths = ",".join(f"{s.total}/{s.response}" for s in self.samples[:4])
+        more = f",+{len(self.samples) - 4}" if len(self.samples) > 4 else ""
+        return f"{self.layout} tp={self.tp} cp={self.cp} V={self.vocab} [{lengths}{more}]"
+
+
+def _as_sample(value: Any, name: str) -> Sample:
+    if isinstance(value, Sample):
+        return value
+    if isinstance(value, dict) and set(value) == {"total", "response"}:
+        return Sample(value["total"], value["response"])
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return Sample(value[0], value[1])
+    raise BadInput(f"scenario {name!r}: a sample must be [total, response], got {value!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate(s: Scenario) -> None:
+    """Reject what cannot be, with one message naming the scenario and the field."""
+
+    def bad(msg: str) -> BadInput:
+        return BadInput(f"scenario {s.name!r}: {msg}")
+
+    if not isinstance(s.name, str) or not s.name:
+        raise BadInput(f"scenario name must be a non-empty string, got {s.name!r}")
+    if not s.samples:
+        raise bad("needs at least one sample")
+    for i, smp in enumerate(s.samples):
+        if not (_is_int(smp.total) and _is_int(smp.response)):
+            raise bad(f"sample {i}: lengths must be integers, got [{smp.total!r}, {smp.response!r}]")
+        if smp.response < 1:
+            raise bad(f"sample {i}: response length {smp.response} < 1")
+        if smp.response > smp.total - 1:
+            raise bad(
+                f"sample {i}: response length {smp.response} > total length {smp.total} - 1 "
+                "(the prompt needs at least one token)"
+            )
+    for fname in ("vocab", "tp", "cp", "log_probs_chunk_size", "seed"):
+        if not _is_int(getattr(s, fname)):
+            raise bad(f"{fname} must be an integer, got {getattr(s, fname)!r}")
+    if s.vocab < 1:
+        raise bad(f"vocab {s.vocab} < 1")
+    if s.tp < 1 or s.cp < 1:
+        raise bad(f"tp and cp must be >= 1, got tp={s.tp} cp={s.cp}")
+    if s.vocab % s.tp:
+        raise bad(f"vocab {s.vocab} is not divisible by tp {s.tp}")
+    if s.layout not in LAYOUTS:
+        raise bad(f"layout {s.layout!r} is not one of {', '.join(LAYOUTS)}")
+    if s.layout in CP_LAYOUTS and s.cp < 2:
+        raise bad(f"layout {s.layout} needs cp >= 2, got cp={s.cp}")
+    if s.layout not in CP_LAYOUTS and s.cp != 1:
+        raise bad(f"layout {s.layout} has no context parallelism: cp must be 1, got {s.cp}")
+    if not isinstance(s.with_entropy, bool):
+        raise bad(f"with_entropy must be true or false, got {s.with_entropy!r}")
+    if not isinstance(s.entropy_coef, (int, float)) or isinstance(s.entropy_coef, bool):
+        raise bad(f"entropy_coef must be a number, got {s.entropy_coef!r}")
+    if not math.isfinite(s.entropy_coef):
+        raise bad(f"entropy_coef must be finite, got {s.entropy_coef!r}")
+    if s.entropy_coef != 0 and not s.with_entropy:
+        raise bad(f"entropy_coef {s.entropy_coef} needs with_entropy=true")
+    if s.log_probs_chunk_size == 0 or s.log_probs_chunk_size < -1:
+        raise bad(f"log_probs_chunk_size must be -1 (no chunking) or >= 1, got {s.log_probs_chunk_size}")
+    if not isinstance(s.temperature, (int, float)) or isinstance(s.temperature, bool):
+        raise bad(f"temperature must be a number, got {s.temperature!r}")
+    if not (math.isfinite(s.temperature) and s.temperature > 0):
+        raise bad(f"temperature must be finite and > 0, got {s.temperature}")
+    if s.dtype not in DTYPES:
+        raise bad(f"dtype {s.dtype!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(s.description, str):
+        raise bad("description must be a string")

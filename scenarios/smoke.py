@@ -1,0 +1,71 @@
+"""The built-in ``smoke`` suite: every layout at every (tp, cp) it allows on 4 ranks, each with
+the shapes that break sharded code.
+
+Per (layout, tp, cp), four scenarios:
+- ``basic``: two samples, entropy with a non-zero coefficient, temperature != 1;
+- ``edges``: response length 1, prompt length 1, a response spanning CP chunk boundaries, and a
+  chunk size that does not divide the local row count;
+- ``long-prompt``: long prompts with short responses, so some CP rank holds no response token at
+  all (zigzag: an empty share; all-gather: empty local slices), entropy_coef 0;
+- ``many``: many short samples, no entropy, chunk size 1.
+A few more try half precision and larger vocabularies.
+"""
+
+from __future__ import annotations
+
+from shardcheck.scenarios.scenario import Sample, Scenario
+from shardcheck.scenarios.suites import suite
+
+TP_CP = {
+    "thd": [(1, 1), (2, 1), (4, 1)],
+    "bshd": [(1, 1), (2, 1), (4, 1)],
+    "zigzag": [(1, 2), (2, 2), (1, 4)],
+    "allgather": [(1, 2), (2, 2), (1, 4)],
+}
+
+
+def _samples(*pairs: tuple[int, int]) -> tuple[Sample, ...]:
+    return tuple(Sample(t, r) for t, r in pairs)
+
+
+def _grid() -> list[Scenario]:
+    out = []
+    for layout, pairs in TP_CP.items():
+        for tp, cp in pairs:
+            tag = f"{layout}-tp{tp}cp{cp}"
+            seed = len(out)
+            out += [
+                Scenario(f"{tag}-basic", _samples((23, 9), (14, 6)), vocab=64, tp=tp, cp=cp, layout=layout,
+                         entropy_coef=0.1, temperature=0.8, seed=seed,
+                         description="two samples, entropy gradient on, temperature 0.8"),
+                Scenario(f"{tag}-edges", _samples((9, 1), (5, 4), (2, 1), (17, 11)), vocab=40, tp=tp, cp=cp,
+                         layout=layout, entropy_coef=-0.05, log_probs_chunk_size=3, seed=seed + 1,
+                         description="response 1, prompt 1, response across CP chunks, chunk 3"),
+                Scenario(f"{tag}-long-prompt", _samples((61, 3), (40, 2)), vocab=48, tp=tp, cp=cp,
+                         layout=layout, entropy_coef=0.0, seed=seed + 2,
+                         description="long prompts: some CP ranks hold no response token"),
+                Scenario(f"{tag}-many", _samples(*[(4 + i % 5, 1 + i % 3) for i in range(12)]), vocab=32,
+                         tp=tp, cp=cp, layout=layout, with_entropy=False, log_probs_chunk_size=1,
+                         seed=seed + 3, description="twelve short samples, no entropy, chunk 1"),
+            ]
+    return out
+
+
+def _extras() -> list[Scenario]:
+    return [
+        Scenario("thd-tp1cp1-vocab37", _samples((30, 12)), vocab=37, temperature=1.7, entropy_coef=0.3,
+                 log_probs_chunk_size=7, seed=101, description="vocab not a multiple of 8"),
+        Scenario("thd-tp2cp1-bf16", _samples((20, 8), (11, 5)), vocab=64, tp=2, dtype="bfloat16",
+                 entropy_coef=0.1, seed=102, description="bfloat16 logits"),
+        Scenario("zigzag-tp2cp2-fp16", _samples((33, 20), (8, 3)), vocab=64, tp=2, cp=2, layout="zigzag",
+                 dtype="float16", entropy_coef=0.1, seed=103, description="float16 logits"),
+        Scenario("allgather-tp1cp4-wide", _samples((70, 50), (9, 2), (25, 1)), vocab=1024, cp=4,
+                 layout="allgather", entropy_coef=0.02, log_probs_chunk_size=16, seed=104,
+                 description="larger vocabulary, responses across all-gather pieces"),
+    ]
+
+
+@suite
+def smoke() -> list[Scenario]:
+    """every layout at every (tp, cp) it allows on 4 ranks, with the edge shapes"""
+    return _grid() + _extras()

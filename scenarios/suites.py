@@ -1,0 +1,54 @@
+"""Named suites of scenarios, and loading scenarios from a file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from shardcheck.errors import BadInput
+from shardcheck.scenarios.scenario import Scenario
+
+SUITES: dict[str, Callable[[], list[Scenario]]] = {}
+
+
+def suite(fn: Callable[[], list[Scenario]]) -> Callable[[], list[Scenario]]:
+    SUITES[fn.__name__] = fn
+    return fn
+
+
+def get_suite(name: str) -> list[Scenario]:
+    if name not in SUITES:
+        raise BadInput(f"unknown suite {name!r} (known: {', '.join(sorted(SUITES))})")
+    scenarios = SUITES[name]()
+    names = [s.name for s in scenarios]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise BadInput(f"suite {name!r} has duplicate scenario names: {', '.join(dupes)}")
+    return scenarios
+
+
+def load_scenario_file(path: str | Path) -> list[Scenario]:
+    """A JSON file holding one scenario object or a list of them."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"scenario file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"scenario file {str(p)!r} cannot be read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"scenario file {str(p)!r} is not valid JSON: {exc}") from None
+    items = data if isinstance(data, list) else [data]
+    if not items:
+        raise BadInput(f"scenario file {str(p)!r} holds no scenario")
+    scenarios = []
+    for i, item in enumerate(items):
+        try:
+            scenarios.append(Scenario.from_dict(item))
+        except BadInput as exc:
+            raise BadInput(f"scenario file {str(p)!r}, entry {i}: {exc}") from None
+    return scenarios
+
+
+from shardcheck.scenarios import smoke as _smoke  # noqa: E402,F401  (registers the built-in suites)

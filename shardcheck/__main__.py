@@ -1,0 +1,3 @@
+from shardcheck.cli import main
+
+raise SystemExit(main())

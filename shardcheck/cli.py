@@ -1,0 +1,121 @@
+"""``shardcheck`` command line: run, suites, targets.
+
+Exit status: 0 every scenario passed (or was skipped), 1 some scenario failed, 2 bad input or
+configuration (one line on stderr naming the problem), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shardcheck.errors import BadInput, ShardcheckError
+
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage wall
+        raise BadInput(f"{message} (see shardcheck {self.prog.split()[-1]} --help)"
+                       if " " in self.prog else f"{message} (see shardcheck --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shardcheck", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    r = sub.add_parser("run", help="check a target against a suite or scenario file")
+    r.add_argument("--target", default="builtin", help="NAME, NAME:VARIANT or module:callable (default: builtin)")
+    r.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")
+    r.add_argument("--scenario", action="append", default=[], metavar="NAME",
+                   help="run only this scenario of the suite (repeatable)")
+    r.add_argument("--scenario-file", metavar="FILE", help="JSON file with a scenario or a list of them")
+    r.add_argument("--json-report", metavar="FILE", help="write the report here, updated as results arrive")
+    r.add_argument("--nproc", type=int, default=None,
+                   help="ranks in the world (default: the least every scenario fits in)")
+    r.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a scenario may take before its ranks are declared hung (default: 60)")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    sub.add_parser("suites", help="list the named suites")
+    sub.add_parser("targets", help="list the registered targets")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "run":
+            return _run(args)
+        if args.command == "suites":
+            return _suites()
+        if args.command == "targets":
+            return _targets()
+        build_parser().print_help()
+        return EXIT_BAD_INPUT
+    except BadInput as exc:
+        print(f"shardcheck: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ShardcheckError as exc:
+        print(f"shardcheck: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("shardcheck: interrupted (results so far are in the JSON report, if one was asked for)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _select(args: argparse.Namespace) -> list:
+    from shardcheck.scenarios import get_suite, load_scenario_file
+
+    if args.scenario_file and args.suite:
+        raise BadInput("give --suite or --scenario-file, not both")
+    scenarios = load_scenario_file(args.scenario_file) if args.scenario_file else get_suite(args.suite or "smoke")
+    if args.scenario:
+        by_name = {s.name: s for s in scenarios}
+        unknown = [n for n in args.scenario if n not in by_name]
+        if unknown:
+            raise BadInput(f"unknown scenario(s) {', '.join(map(repr, unknown))} "
+                           f"in {args.scenario_file or args.suite or 'smoke'}")
+        scenarios = [by_name[n] for n in dict.fromkeys(args.scenario)]
+    return scenarios
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shardcheck.harness import runner
+    from shardcheck.harness.report import JsonReport, Reporters, TerminalReport
+
+    if args.nproc is not None and args.nproc < 1:
+        raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
+    if not args.timeout > 0:
+        raise BadInput(f"--timeout must be > 0, got {args.timeout}")
+    scenarios = _select(args)
+    json_report = None
+    if args.json_report:
+        try:
+            json_report = JsonReport(args.json_report, {"suite": args.suite or args.scenario_file or "smoke"})
+        except OSError as exc:
+            raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
+    result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
+                        nproc=args.nproc, timeout=args.timeout)
+    return result.exit_code
+
+
+def _suites() -> int:
+    from shardcheck.scenarios import SUITES, get_suite
+
+    for name in sorted(SUITES):
+        scenarios = get_suite(name)
+        layouts = sorted({s.layout for s in scenarios})
+        doc = (SUITES[name].__doc__ or "").strip().splitlines()
+        print(f"{name:<14} {len(scenarios):>3} scenarios  layouts: {','.join(layouts)}  {doc[0] if doc else ''}")
+    return EXIT_OK
+
+
+def _targets() -> int:
+    from shardcheck.targets import available
+
+    for t in available():
+        print(f"{t['name']:<14} {t['description']}")
+        for v in t["variants"]:
+            print(f"  {t['name']}:{v:<20} {t.get('variant_docs', {}).get(v, '')}")
+    return EXIT_OK

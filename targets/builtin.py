@@ -1,0 +1,241 @@
+"""shardcheck's own implementation of the contract, written as a framework would for production.
+
+Independent of the harness's layout module on purpose: it derives every offset from the
+arguments a framework has (lengths, CP rank and size, local row count), so the harness checks
+it rather than agreeing with itself.
+
+Per rank: log-softmax and entropy over the vocab-parallel logits in row chunks, one autograd
+function per chunk (3 all-reduces over TP, 4 with entropy); per-sample extraction for thd, bshd,
+zigzag CP; for all-gather CP, each rank's contiguous slice of every response is redistributed into
+zigzag shares by one differentiable all-reduce per result key. The entropy keeps its gradient only
+when entropy_coef != 0; the decision is made here, once, for every caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    """log p(target) and entropy of softmax(logits / t) for logits split by columns over TP."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, tp_group, with_entropy, entropy_grad):  # type: ignore[override]
+        v_local = logits.size(-1)
+        vocab_start = dist.get_rank(tp_group) * v_local
+        s = logits.float() / temperature
+        row_max = s.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        s -= row_max.unsqueeze(-1)
+        exp = s.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+
+        local = targets - vocab_start
+        in_shard = (local >= 0) & (local < v_local)
+        local = local.clamp(0, v_local - 1)
+        target_logit = s.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
+        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=tp_group)
+
+        log_sum_exp = sum_exp.log()
+        log_prob = target_logit - log_sum_exp
+        p = exp.div_(sum_exp.unsqueeze(-1))
+        if with_entropy:
+            mean_s = (p * s).sum(dim=-1)
+            dist.all_reduce(mean_s, op=dist.ReduceOp.SUM, group=tp_group)
+            entropy = log_sum_exp - mean_s
+        else:
+            mean_s = None
+            entropy = log_prob.new_zeros(0)
+        ctx.entropy_grad = bool(with_entropy and entropy_grad)
+        ctx.temperature = temperature
+        ctx.logits_dtype = logits.dtype
+        if ctx.entropy_grad:
+            ctx.save_for_backward(p, local, in_shard, s, mean_s)
+        else:
+            ctx.save_for_backward(p, local, in_shard)
+            ctx.mark_non_differentiable(entropy)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):  # type: ignore[override]
+        if ctx.entropy_grad:
+            p, local, in_shard, s, mean_s = ctx.saved_tensors
+        else:
+            p, local, in_shard = ctx.saved_tensors
+        grad = torch.zeros_like(p)
+        if grad_log_prob is not None:
+            grad = -p * grad_log_prob.unsqueeze(-1)
+            grad.scatter_add_(-1, local.unsqueeze(-1), (grad_log_prob * in_shard).unsqueeze(-1))
+        if ctx.entropy_grad and grad_entropy is not None:
+            # d entropy / d s = -p * (s - sum_v p_v s_v)
+            grad -= grad_entropy.unsqueeze(-1) * p * (s - mean_s.unsqueeze(-1))
+        grad /= ctx.temperature
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a group; the gradient of a sum of replicas is the sum of their gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class BuiltinTarget:
+    """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
+
+    name = "builtin"
+    capabilities = Capabilities()
+
+    def __init__(self, variant: str | None = None) -> None:
+        if variant is not None:
+            raise ValueError(f"builtin has no variant {variant!r}")
+
+    def describe(self) -> dict[str, Any]:
+        from shardcheck import __version__
+
+        return {"name": self.name, "version": __version__}
+
+    # -- the entry point ------------------------------------------------------------------
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        logits = inputs.logits
+        if logits.dim() != 3:
+            raise ValueError(f"logits must be 3-D, got shape {tuple(logits.shape)}")
+        rows = logits.reshape(-1, logits.size(-1))
+        targets, slices = self.row_targets_and_slices(inputs, rows.size(0))
+        entropy_grad = inputs.with_entropy and inputs.entropy_coef != 0
+        log_prob, entropy = self.log_probs_and_entropy(rows, targets, inputs, entropy_grad)
+        res = {"log_probs": [log_prob[s] for s in slices]}
+        if inputs.with_entropy:
+            res["entropy"] = [entropy[s] for s in slices]
+        if inputs.allgather_cp:
+            res = {k: self.redistribute_allgather(v, inputs, rows.size(0)) for k, v in res.items()}
+        return RankOutputs(res["log_probs"], res.get("entropy"))
+
+    # -- vocab-parallel math, in chunks -------------------------------------------------
+    def log_probs_and_entropy(
+        self, rows: torch.Tensor, targets: torch.Tensor, inputs: RankInputs, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows.size(0)
+        if n == 0:
+            empty = rows.new_zeros(0, dtype=torch.float32) + rows.sum()  # keeps the graph
+            return empty, empty.clone()
+        step = inputs.chunk_size if inputs.chunk_size > 0 else n
+        lps, ents = [], []
+        for start in range(0, n, step):
+            lp, ent = _VocabParallelLogProbEntropy.apply(
+                rows[start : start + step], targets[start : start + step], inputs.temperature,
+                inputs.tp_group, inputs.with_entropy, entropy_grad,
+            )
+            lps.append(lp)
+            ents.append(ent)
+        return torch.cat(lps), torch.cat(ents)
+
+    # -- layouts ----------------------------------------------------------------------------
+    def row_targets_and_slices(self, inputs: RankInputs, n_rows: int) -> tuple[torch.Tensor, list[Any]]:
+        """The token each local row predicts, and per sample the local rows scoring its response
+        (an index tensor or slice, in the order the rank returns them)."""
+        device = inputs.logits.device
+        targets = torch.zeros(n_rows, dtype=torch.int64, device=device)
+        slices: list[Any] = []
+        if inputs.cp_size > 1 and not inputs.allgather_cp:
+            return self._zigzag(inputs, targets)
+        if inputs.allgather_cp:
+            return self._allgather(inputs, targets, n_rows)
+        stride = None
+        if inputs.qkv_format == "bshd":
+            if not inputs.max_seq_lens:
+                raise ValueError("bshd needs max_seq_lens")
+            stride = inputs.max_seq_lens[0]
+        offset = 0
+        for i, (tokens, total, response) in enumerate(
+            zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths)
+        ):
+            base = i * stride if stride is not None else offset
+            targets[base : base + total - 1] = tokens[1:total].to(device)
+            slices.append(slice(base + total - response - 1, base + total - 1))
+            offset += total
+        return targets, slices
+
+    def _zigzag(self, inputs: RankInputs, targets: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        c, r = inputs.cp_size, inputs.cp_rank
+        slices: list[Any] = []
+        base = 0
+        for tokens, total, response in zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths):
+            k = (total + 2 * c - 1) // (2 * c)
+            first_scored, end_scored = total - response - 1, total - 1
+            rows = []
+            for half, chunk in enumerate((r, 2 * c - 1 - r)):
+                lo, hi = chunk * k, (chunk + 1) * k
+                local0 = base + half * k
+                valid_hi = min(hi, total - 1)  # rows that predict a real token
+                if lo < valid_hi:
+                    targets[local0 : local0 + valid_hi - lo] = tokens[lo + 1 : valid_hi + 1].to(targets.device)
+                a, b = max(lo, first_scored), min(hi, end_scored)
+                if a < b:
+                    rows.append(torch.arange(local0 + a - lo, local0 + b - lo, device=targets.device))
+            slices.append(torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=targets.device))
+            base += 2 * k
+        return targets, slices
+
+    def _allgather(self, inputs: RankInputs, targets: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, list[Any]]:
+        lo = inputs.cp_rank * n_rows
+        hi = lo + n_rows
+        slices: list[Any] = []
+        seq_start = 0
+        for tokens, total, response in zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths):
+            # rows of this sample that predict a real token: global [seq_start, seq_start + total - 1)
+            a, b = max(lo, seq_start), min(hi, seq_start + total - 1)
+            if a < b:
+                targets[a - lo : b - lo] = tokens[a - seq_start + 1 : b - seq_start + 1].to(targets.device)
+            first = seq_start + total - response - 1
+            a, b = max(lo, first), min(hi, seq_start + total - 1)
+            slices.append(slice(a - lo, b - lo) if a < b else slice(0, 0))
+            seq_start += total
+        return targets, slices
+
+    def redistribute_allgather(
+        self, values: list[torch.Tensor], inputs: RankInputs, n_rows: int
+    ) -> list[torch.Tensor]:
+        """Each rank's contiguous slices -> full responses (one all-reduce) -> zigzag shares.
+
+        Every rank builds its contribution from its own computed values (empty where it holds
+        none), so the all-reduce is in the autograd graph on every rank or on none.
+        """
+        lo = inputs.cp_rank * n_rows
+        hi = lo + n_rows
+        parts = []
+        seq_start = 0
+        for value, total, response in zip(values, inputs.total_lengths, inputs.response_lengths):
+            first = seq_start + total - response - 1
+            before = max(lo, first) - first if value.numel() else 0
+            parts.append(torch.nn.functional.pad(value, (before, response - before - value.numel())))
+            seq_start += total
+        full = _AllReduceSum.apply(torch.cat(parts), inputs.cp_group)
+        c, r = inputs.cp_size, inputs.cp_rank
+        shares = []
+        for resp, total, response in zip(full.split(inputs.response_lengths), inputs.total_lengths,
+                                         inputs.response_lengths):
+            k = (total + 2 * c - 1) // (2 * c)
+            first = total - response - 1
+            pieces = []
+            for chunk in (r, 2 * c - 1 - r):
+                a, b = max(chunk * k, first), min((chunk + 1) * k, total - 1)
+                pieces.append(resp[a - first : b - first] if a < b else resp[:0])
+            shares.append(torch.cat(pieces))
+        return shares

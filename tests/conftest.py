@@ -1,0 +1,27 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+
+
+def run_cli(*args: str, timeout: float = 600, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m shardcheck ARGS`` in a fresh process, with tests/ importable (for plants)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "shardcheck", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+def write_scenarios(path: Path, scenarios: list) -> Path:
+    path.write_text(json.dumps([s.to_dict() for s in scenarios]))
+    return path
+
+
+@pytest.fixture
+def cli():
+    return run_cli

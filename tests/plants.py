@@ -1,0 +1,78 @@
+"""Targets with a bug planted on purpose, each a real code path through the builtin target.
+
+Used as ``--target plants:NAME`` with ``tests/`` on PYTHONPATH. Each plants one bug at a
+known place, so a test can check the harness names exactly that place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardcheck.harness.layout import rank_layout
+from shardcheck.scenarios import Scenario
+from shardcheck.targets import RankInputs, RankOutputs
+from shardcheck.targets.builtin import BuiltinTarget
+
+SAMPLE, TOKEN, COLUMN = 1, 3, 5
+
+
+def _layout(inputs: RankInputs):
+    sc = Scenario(name="plant", samples=list(zip(inputs.total_lengths, inputs.response_lengths)),
+                  vocab=inputs.logits.size(-1) * inputs.tp_size, tp=inputs.tp_size, cp=inputs.cp_size,
+                  layout=inputs.layout)
+    return rank_layout(sc, inputs.tp_rank, inputs.cp_rank)
+
+
+class CorruptValue(BuiltinTarget):
+    """builtin, with the log-prob of sample 1, response token 3 off by 0.5 (on whichever rank holds it)"""
+
+    name = "plants:CorruptValue"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        share = _layout(inputs).share[SAMPLE]
+        if TOKEN in share:
+            bump = torch.zeros_like(out.log_probs[SAMPLE])
+            bump[share.index(TOKEN)] = 0.5
+            out.log_probs[SAMPLE] = out.log_probs[SAMPLE] + bump
+        return out
+
+
+class _NudgeGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, row, column):  # type: ignore[override]
+        ctx.row, ctx.column = row, column
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.clone()
+        grad.view(-1, grad.size(-1))[ctx.row, ctx.column] += 0.25
+        return grad, None, None
+
+
+class CorruptGrad(BuiltinTarget):
+    """builtin, with d loss / d logits wrong at the row scoring sample 1 token 3, vocab column 5"""
+
+    name = "plants:CorruptGrad"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        layout = _layout(inputs)
+        prompt = inputs.total_lengths[SAMPLE] - inputs.response_lengths[SAMPLE]
+        want = (SAMPLE, prompt - 1 + TOKEN)
+        lo, hi = layout.columns
+        rows = layout.row_positions()
+        if want in rows and lo <= COLUMN < hi:
+            inputs.logits = _NudgeGrad.apply(inputs.logits, rows.index(want), COLUMN - lo)
+        return super().compute(inputs)
+
+
+class RaiseOnCpRank1(BuiltinTarget):
+    """builtin, but CP rank 1 raises before its first collective"""
+
+    name = "plants:RaiseOnCpRank1"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        if inputs.cp_rank == 1:
+            raise RuntimeError("planted failure on cp rank 1")
+        return super().compute(inputs)

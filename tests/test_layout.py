@@ -1,0 +1,108 @@
+"""Layouts are pure arithmetic: checked here without processes, against CONTEXT.md's definitions."""
+
+from collections import Counter
+
+import pytest
+
+from shardcheck.harness.layout import allgather_local_rows, rank_layout, zigzag_positions, zigzag_share
+from shardcheck.scenarios import Sample, Scenario, get_suite
+
+SMOKE = get_suite("smoke")
+
+
+def _layouts(sc):
+    return [rank_layout(sc, t, c) for c in range(sc.cp) for t in range(sc.tp)]
+
+
+@pytest.mark.parametrize("sc", SMOKE, ids=lambda s: s.name)
+def test_every_response_token_is_returned_by_exactly_one_cp_rank(sc):
+    for t in range(sc.tp):
+        seen = Counter()
+        for c in range(sc.cp):
+            lay = rank_layout(sc, t, c)
+            for i, js in enumerate(lay.share):
+                seen.update((i, j) for j in js)
+        want = Counter((i, j) for i, s in enumerate(sc.samples) for j in range(s.response))
+        assert seen == want
+
+
+@pytest.mark.parametrize("sc", SMOKE, ids=lambda s: s.name)
+def test_rows_cover_every_sample_row_once_per_tp_rank(sc):
+    for t in range(sc.tp):
+        rows = Counter()
+        for c in range(sc.cp):
+            lay = rank_layout(sc, t, c)
+            assert lay.num_rows == lay.shape[0] * lay.shape[1]
+            rows.update((s, p) for s, p in lay.row_positions() if s < len(sc.samples) and p < sc.samples[s].total)
+        assert rows == Counter((i, p) for i, s in enumerate(sc.samples) for p in range(s.total))
+
+
+def test_vocab_columns_are_contiguous_per_tp_rank():
+    sc = Scenario("v", (Sample(5, 2),), vocab=12, tp=4)
+    assert [rank_layout(sc, t, 0).columns for t in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+
+
+def test_zigzag_matches_the_definition():
+    # L=10, c=2: chunks of ceil(10/4)=3: [0,3) [3,6) [6,9) [9,12); rank 0 holds chunks 0 and 3.
+    assert zigzag_positions(10, 2, 0) == [range(0, 3), range(9, 12)]
+    assert zigzag_positions(10, 2, 1) == [range(3, 6), range(6, 9)]
+    # prompt 4, response 6: rows 3..8 score tokens 0..5, all in rank 1's chunks; row 9 scores nothing
+    assert zigzag_share(10, 6, 2, 0) == ()
+    assert zigzag_share(10, 6, 2, 1) == (0, 1, 2, 3, 4, 5)
+    # prompt 2, response 8: rows 1..8; rank 0 holds rows 1, 2 (chunk 0), rank 1 rows 3..8
+    assert zigzag_share(10, 8, 2, 0) == (0, 1)
+    assert zigzag_share(10, 8, 2, 1) == (2, 3, 4, 5, 6, 7)
+
+
+def test_allgather_is_contiguous_and_padded():
+    sc = Scenario("a", (Sample(5, 2), Sample(6, 3)), vocab=8, tp=2, cp=2, layout="allgather")
+    assert allgather_local_rows(sc) == 6  # 11 -> padded to 12 (multiple of cp*tp=4), /2
+    lay0, lay1 = rank_layout(sc, 0, 0), rank_layout(sc, 0, 1)
+    assert lay0.row_positions() == [(0, p) for p in range(5)] + [(1, 0)]
+    assert lay1.row_positions() == [(1, p) for p in range(1, 6)] + [(2, 0)]  # one tail padding row
+    assert lay0.shape == (1, 6, 4)
+
+
+def test_bshd_pads_each_sample_to_the_longest():
+    sc = Scenario("b", (Sample(5, 2), Sample(3, 1)), vocab=8, layout="bshd")
+    lay = rank_layout(sc, 0, 0)
+    assert lay.shape == (2, 5, 8)
+    assert lay.row_positions()[5:] == [(1, p) for p in range(5)]
+    assert lay.scored_token(1, 3) is None and lay.scored_token(1, 1) == 0
+
+
+# The smoke suite must hold the shapes that break sharded code (issue #3's list).
+def test_smoke_covers_the_edge_shapes():
+    assert len(SMOKE) >= 40
+    pairs = {(s.layout, s.tp, s.cp) for s in SMOKE}
+    for layout, allowed in {"thd": [(1, 1), (2, 1), (4, 1)], "bshd": [(1, 1), (2, 1), (4, 1)],
+                            "zigzag": [(1, 2), (2, 2), (1, 4)], "allgather": [(1, 2), (2, 2), (1, 4)]}.items():
+        for tp, cp in allowed:
+            assert (layout, tp, cp) in pairs
+    samples = [smp for s in SMOKE for smp in s.samples]
+    assert any(smp.response == 1 for smp in samples)
+    assert any(smp.prompt == 1 for smp in samples)
+    assert any(len(s.samples) >= 10 for s in SMOKE)
+    assert any(not s.with_entropy for s in SMOKE)
+    assert any(s.entropy_coef == 0 and s.with_entropy for s in SMOKE)
+    assert any(s.entropy_coef != 0 for s in SMOKE)
+    assert any(s.temperature != 1 for s in SMOKE)
+
+    def empty_rank(s):  # some CP rank returns no response token at all
+        return any(all(not js for js in rank_layout(s, 0, c).share) for c in range(s.cp))
+
+    def no_local_scored(s):  # some all-gather rank holds no scored row at all
+        return any(all(lay.scored_token(*rp) is None for rp in lay.row_positions())
+                   for lay in (rank_layout(s, 0, c) for c in range(s.cp)))
+
+    def spans_boundary(s):  # a response split over several CP ranks
+        return any(sum(1 for c in range(s.cp) if rank_layout(s, 0, c).share[i]) > 1 for i in range(len(s.samples)))
+
+    def chunk_not_dividing(s):
+        return s.log_probs_chunk_size > 1 and any(lay.num_rows % s.log_probs_chunk_size for lay in _layouts(s))
+
+    assert any(empty_rank(s) for s in SMOKE if s.layout == "zigzag")
+    assert any(empty_rank(s) for s in SMOKE if s.layout == "allgather")
+    assert any(no_local_scored(s) for s in SMOKE if s.layout == "allgather")
+    assert any(spans_boundary(s) for s in SMOKE if s.cp > 1)
+    assert any(chunk_not_dividing(s) for s in SMOKE)
