@@ -10,6 +10,9 @@ from typing import Any
 
 _config: tuple[int, int] | None = None
 _timeout_s: float = 60.0
+# megatron's group globals per (tp, cp) already built in this world: switching back restores them
+# instead of creating the groups again (gloo groups are never freed; a long run would pile them up)
+_built: dict[tuple[int, int], dict[str, Any]] = {}
 
 
 def set_timeout(seconds: float) -> None:
@@ -32,12 +35,17 @@ def configure(tp: int, cp: int) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     _config = None
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        distributed_timeout_minutes=_timeout_s / 60.0,
-        create_gloo_process_groups=False,
-    )
+    if (tp, cp) in _built:
+        for name, value in _built[(tp, cp)].items():
+            setattr(ps, name, value)
+    else:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            distributed_timeout_minutes=_timeout_s / 60.0,
+            create_gloo_process_groups=False,
+        )
+        _built[(tp, cp)] = {k: v for k, v in vars(ps).items() if k.startswith("_") and k[1:2].isupper()}
     _config = (tp, cp)
 
 
@@ -73,3 +81,19 @@ def cp_rank() -> int:
 
 def dp_rank() -> int:
     return _ps().get_data_parallel_rank()
+
+
+def label(group_name: str) -> str:
+    """What a group is for ("tp", "cp", "dp", ...), from its name; "" when unknown."""
+    if _config is None:
+        return ""
+    ps = _ps()
+    getters = [("tp", ps.get_tensor_model_parallel_group), ("cp", ps.get_context_parallel_group),
+               ("dp", ps.get_data_parallel_group)]
+    for name, get in getters:
+        try:
+            if get().group_name == group_name:
+                return name
+        except (AssertionError, RuntimeError, AttributeError):
+            continue
+    return ""

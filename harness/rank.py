@@ -43,12 +43,21 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
 
         groups.set_timeout(options["collective_timeout"])
         import megatron.core.parallel_state  # noqa: F401  (pay the import before the first scenario)
+
+        from shardcheck.harness import trace
+
+        trace.install()
+        lockstep = None
+        if options.get("lockstep", True):
+            from shardcheck.harness.lockstep import Lockstep
+
+            lockstep = Lockstep(store_port, rank, world_size, options["collective_timeout"], label=groups.label)
     except BaseException as exc:  # noqa: BLE001  (reported to the controller, then exit)
         conn.send(protocol.message(protocol.FATAL, error=protocol.error_payload(exc)))
         return
     conn.send(protocol.message(protocol.READY, pid=os.getpid(), seconds=time.perf_counter() - t0))
 
-    runner = _Runner(rank)
+    runner = _Runner(rank, lockstep)
     while True:
         try:
             name, kwargs = conn.recv()
@@ -76,8 +85,9 @@ def _die_with_parent() -> None:
 
 
 class _Runner:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, lockstep: Any) -> None:
         self.rank = rank
+        self.lockstep = lockstep
         self._targets: dict[str, Any] = {}
 
     def target(self, spec: str) -> Any:
@@ -88,31 +98,64 @@ class _Runner:
         return self._targets[spec]
 
     def run(self, scenario: dict[str, Any], target: str, seq: int) -> dict[str, Any]:
-        from shardcheck.harness import protocol
-        from shardcheck.harness.verdict import RANK_ERROR, Failure
+        from shardcheck.harness import protocol, trace
+        from shardcheck.harness.lockstep import CollectiveMismatch, LockstepTimeout, PeerStopped
+        from shardcheck.harness.verdict import COLLECTIVE_MISMATCH, RANK_ERROR, Failure
 
         t0 = time.perf_counter()
+        lockstep = self.lockstep
+        if lockstep is not None:
+            lockstep.begin(seq, scenario.get("name", "?"))
+        trace.start(lockstep.check if lockstep is not None else None)
+        failures, errors, described, notes = [], {}, {}, []
+        raised = False
         try:
             failures, errors, described = self._run(scenario, target)
+            if lockstep is not None:
+                lockstep.finish()
+        except CollectiveMismatch as exc:
+            report = dict(exc.report)
+            failures = [Failure(COLLECTIVE_MISMATCH, report.pop("message"), [self.rank], phase=report.pop("phase"),
+                                details={"at": time.time(), **report})]
+            self._stop(f"stopped on a collective mismatch in {report.get('label') or 'group'} "
+                       f"{report['group_ranks']} call {report['call']}")
+        except PeerStopped as exc:
+            notes = [exc.report]  # the peer's own report names the cause
+            self._stop(f"stopped: {exc}")
         except BaseException as exc:  # noqa: BLE001  (a crash of the target is a finding)
-            from shardcheck.harness import groups
-
-            groups.reset()  # peers may be stuck mid-collective: rebuild groups next time
             import torch
 
+            raised = True
             # where: the innermost frame outside torch, i.e. the call site in the target
             err = protocol.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__),))
-            msg = f"rank {self.rank} raised {err['type']}: {err['message']}" + (
-                f" at {err['where']}" if err["where"] else "")
+            hung = isinstance(exc, LockstepTimeout)
+            msg = (f"rank {self.rank} hung: {exc}" if hung else
+                   f"rank {self.rank} raised {err['type']}: {err['message']}"
+                   + (f" at {err['where']}" if err["where"] else ""))
             failures = [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
-            errors, described = {}, {}
+            self._stop(f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else ""))
+        finally:
+            calls = trace.stop()
+        # Without lockstep a raise may leave peers mid-collective; with it, only a failure inside
+        # the backend can. Either way the groups are rebuilt and, if needed, the world restarted.
+        desync = trace.backend_failed() or (raised and lockstep is None)
         return {
             "seq": seq,
             "failures": [f.to_dict() for f in failures],
             "max_error": errors,
             "seconds": time.perf_counter() - t0,
             "target": described,
+            "notes": notes,
+            "desync": desync,
+            "calls": len(calls.calls) if calls is not None else 0,
         }
+
+    def _stop(self, reason: str) -> None:
+        if self.lockstep is not None:
+            try:
+                self.lockstep.stop(reason)
+            except Exception:  # noqa: BLE001  (the store is gone: peers will time out, bounded)
+                pass
 
     def _run(self, scenario_dict: dict[str, Any], spec: str) -> tuple[list, dict, dict]:
         import torch

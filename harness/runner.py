@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shardcheck.harness.verdict import FAIL, SKIP, Failure, Verdict, merge
+from shardcheck.harness.verdict import FAIL, SKIP, Verdict, merge
 from shardcheck.harness.world import World
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
@@ -42,6 +42,7 @@ def run(
     reporter: Reporter,
     nproc: int | None = None,
     timeout: float = 60.0,
+    lockstep: bool = True,
     world: World | None = None,
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
@@ -61,14 +62,14 @@ def run(
     runnable = [sc for sc in scenarios if sc.name not in skips]
     size = world.nproc if world is not None else nproc or world_size_for(runnable)
     info: dict[str, Any] = {"target": target.describe(), "target_spec": target_spec, "ranks": size,
-                            "backend": "gloo"}
+                            "backend": "gloo", "lockstep": world.lockstep if world is not None else lockstep}
     reporter.start(info, list(scenarios))
     verdicts = [Verdict(sc, SKIP, reason=skips[sc.name]) for sc in scenarios if sc.name in skips]
     for v in verdicts:
         reporter.add(v)
     own_world = world is None and bool(runnable)
     if own_world:
-        world = World(size, timeout=timeout)
+        world = World(size, timeout=timeout, lockstep=lockstep)
     try:
         if own_world:
             world.start()  # start-up is reported on its own, not charged to the first scenario
@@ -76,12 +77,7 @@ def run(
         for sc in sorted(runnable, key=lambda s: (s.tp, s.cp)):
             started = time.perf_counter()
             results = world.run(sc.to_dict(), target_spec)
-            verdict = merge(
-                sc,
-                [[Failure.from_dict(f) for f in r["failures"]] for r in results],
-                [r["max_error"] for r in results],
-                time.perf_counter() - started,
-            )
+            verdict = merge(sc, results, time.perf_counter() - started)
             if results and results[0].get("target"):
                 info["target"] = results[0]["target"]
             verdicts.append(verdict)

@@ -12,7 +12,8 @@ from shardcheck.scenarios.scenario import Scenario
 VALUE_MISMATCH = "value_mismatch"
 GRAD_MISMATCH = "grad_mismatch"
 RANK_ERROR = "rank_error"
-KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR)
+COLLECTIVE_MISMATCH = "collective_mismatch"
+KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH)
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 
@@ -27,6 +28,7 @@ class Failure:
     message: str
     ranks: list[int] = _field(default_factory=list)
     field: str | None = None  # log_probs | entropy | grad
+    phase: str | None = None  # forward | backward, for collective mismatches
     sample: int | None = None
     token: int | None = None
     position: int | None = None
@@ -88,21 +90,39 @@ class Verdict:
         }
 
 
-def merge(scenario: Scenario, rank_failures: list[list[Failure]], max_errors: list[dict[str, float]],
-          seconds: float) -> Verdict:
-    """One verdict from every rank's findings; replicas' identical findings merge, ranks listed."""
+def merge(scenario: Scenario, results: list[dict[str, Any]], seconds: float) -> Verdict:
+    """One verdict from every rank's result; replicas' identical findings merge, ranks listed.
+
+    Notes from ranks that stopped because a peer failed say where they were waiting; they are
+    attached to the root failure (the earliest rank error or collective mismatch).
+    """
     merged: dict[tuple, Failure] = {}
-    for failures in rank_failures:
-        for f in failures:
+    for res in results:
+        for d in res["failures"]:
+            f = Failure.from_dict(d)
+            if f.kind == COLLECTIVE_MISMATCH and "divergent_call_at" in f.details and "received_at" in res:
+                f.details["reported_after_s"] = round(res["received_at"] - f.details["divergent_call_at"], 4)
             key = f.identity()
             if key in merged:
-                merged[key].ranks = sorted(set(merged[key].ranks) | set(f.ranks))
+                m = merged[key]
+                m.ranks = sorted(set(m.ranks) | set(f.ranks))
+                if "reported_after_s" in f.details:
+                    m.details["reported_after_s"] = min(m.details.get("reported_after_s", 1e9),
+                                                        f.details["reported_after_s"])
             else:
-                merged[key] = dataclasses.replace(f, ranks=list(f.ranks))
+                merged[key] = dataclasses.replace(f, ranks=list(f.ranks), details=dict(f.details))
     failures = sorted(merged.values(), key=_order)
+    notes = [n for res in results for n in res.get("notes", [])]
+    if notes and failures and failures[0].kind in (RANK_ERROR, COLLECTIVE_MISMATCH):
+        root = failures[0]
+        root.details["peers_waiting"] = notes
+        root.message += "; " + "; ".join(n["message"] for n in notes)
+    elif notes:  # peers stopped but nobody said why: that is itself an error
+        failures.insert(0, Failure(RANK_ERROR, "; ".join(n["message"] for n in notes),
+                                   sorted({n.get("peer", -1) for n in notes}), details={"peers_waiting": notes}))
     worst: dict[str, float] = {}
-    for errs in max_errors:
-        for k, v in errs.items():
+    for res in results:
+        for k, v in res["max_error"].items():
             worst[k] = max(worst.get(k, 0.0), v)
     return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst)
 
@@ -110,7 +130,7 @@ def merge(scenario: Scenario, rank_failures: list[list[Failure]], max_errors: li
 def _order(f: Failure) -> tuple:
     # rank errors first, earliest first (the root cause; peers' timeouts follow), then by position
     return (
-        0 if f.kind == RANK_ERROR else 1,
+        0 if f.kind in (RANK_ERROR, COLLECTIVE_MISMATCH) else 1,
         f.details.get("at", 0.0),
         f.sample if f.sample is not None else -1,
         f.token if f.token is not None else -1,

@@ -28,12 +28,14 @@ DEATH_GRACE_S = 3.0  # after a rank dies, how long its peers get to report befor
 
 
 class World:
-    def __init__(self, nproc: int, *, timeout: float = 60.0, start_timeout: float = 180.0) -> None:
+    def __init__(self, nproc: int, *, timeout: float = 60.0, start_timeout: float = 180.0,
+                 lockstep: bool = True) -> None:
         if nproc < 1:
             raise ValueError(f"a world needs at least one rank, got {nproc}")
         self.nproc = nproc
         self.timeout = timeout
         self.start_timeout = start_timeout
+        self.lockstep = lockstep
         self.generation = 0
         self.startup_seconds: list[float] = []  # wall time of each (re)start
         self._procs: list[Any] = []
@@ -65,12 +67,17 @@ class World:
                                     timeout=datetime.timedelta(seconds=self.start_timeout))
         ctx = mp.get_context("spawn")
         atexit.register(self.close)
+        saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        # Children read it when torch loads (before any code of ours runs there): a lockstep wait
+        # slice that times out is routine, not a warning.
+        os.environ["TORCH_CPP_LOG_LEVEL"] = saved or "ERROR"
         for rank in range(self.nproc):
             parent, child = ctx.Pipe(duplex=True)
             options = {
                 "collective_timeout": self.timeout,
                 "start_timeout": self.start_timeout,
                 "traceback_file": self._traceback_file(rank),
+                "lockstep": self.lockstep,
             }
             p = ctx.Process(target=rank_main, args=(rank, self.nproc, self._store.port, child, options),
                             name=f"shardcheck-rank{rank}", daemon=True)
@@ -78,6 +85,8 @@ class World:
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
+        if saved is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
         try:
             self._await_ready(t0 + self.start_timeout)
         except BaseException:
@@ -162,24 +171,39 @@ class World:
             ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
                          timeout=left)
             for r in pending:
+                dead = self._procs[r].sentinel in ready
                 if self._conns[r] in ready:
                     try:
                         name, kwargs = self._conns[r].recv()
-                    except (EOFError, OSError):
-                        continue  # the sentinel reports the death
-                    getattr(self, "_on_" + name)(r, seq, kwargs, results)
-                elif self._procs[r].sentinel in ready and r not in results:
+                        getattr(self, "_on_" + name)(r, seq, kwargs, results)
+                        continue
+                    except (EOFError, OSError):  # the pipe closed: the rank is gone
+                        dead = True
+                if dead and r not in results:
                     self._procs[r].join(timeout=1.0)
-                    results[r] = _error_result(r, f"rank {r} died ({_exit_text(self._procs[r].exitcode)})")
+                    why = f"rank {r} died ({_exit_text(self._procs[r].exitcode)})"
+                    results[r] = _error_result(r, why)
+                    self._say_died(seq, r, why)
                     deadline = min(deadline, time.perf_counter() + DEATH_GRACE_S)
-        if any(f["kind"] == RANK_ERROR for res in results.values() for f in res["failures"]):
-            self._healthy = False  # groups may be out of step: restart before the next scenario
+        if any(res.get("desync") for res in results.values()):
+            self._healthy = False  # the backend's groups may be out of step: restart before the next one
         return [results[r] for r in range(self.nproc)]
+
+    def _say_died(self, seq: int, rank: int, why: str) -> None:
+        """Tell the dead rank's peers (waiting in lockstep) at once, instead of by timeout."""
+        import json
+
+        from shardcheck.harness.lockstep import status_key
+
+        try:
+            self._store.set(status_key(seq, rank), json.dumps({"state": "died", "reason": why}))
+        except Exception:  # noqa: BLE001  (best effort: peers still stop at their timeout)
+            pass
 
     def _on_result(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
         """Emitted when a rank has finished a scenario."""
         if kwargs["seq"] == seq:
-            results[rank] = kwargs
+            results[rank] = kwargs | {"received_at": time.time()}
 
     def _on_fatal(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
         """Emitted when a rank cannot go on."""
@@ -248,4 +272,5 @@ def _exit_text(code: int | None) -> str:
 
 def _error_result(rank: int, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
     failure = Failure(RANK_ERROR, message, [rank], details={"at": time.time(), **(details or {})})
-    return {"seq": None, "failures": [failure.to_dict()], "max_error": {}, "seconds": 0.0, "target": {}}
+    return {"seq": None, "failures": [failure.to_dict()], "max_error": {}, "seconds": 0.0, "target": {},
+            "notes": [], "desync": True, "received_at": time.time()}

@@ -51,4 +51,5 @@ def load_scenario_file(path: str | Path) -> list[Scenario]:
     return scenarios
 
 
-from shardcheck.scenarios import smoke as _smoke  # noqa: E402,F401  (registers the built-in suites)
+from shardcheck.scenarios import regressions as _regressions  # noqa: E402,F401  (registers the suites)
+from shardcheck.scenarios import smoke as _smoke  # noqa: E402,F401

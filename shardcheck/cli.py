@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a scenario may take before its ranks are declared hung (default: 60)")
+    r.add_argument("--no-lockstep", action="store_true",
+                   help="trace collectives without the lockstep check; a hang then lasts until --timeout")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     sub.add_parser("suites", help="list the named suites")
     sub.add_parser("targets", help="list the registered targets")
@@ -96,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
     result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
-                        nproc=args.nproc, timeout=args.timeout)
+                        nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep)
     return result.exit_code
 
 
@@ -115,7 +117,7 @@ def _targets() -> int:
     from shardcheck.targets import available
 
     for t in available():
-        print(f"{t['name']:<14} {t['description']}")
+        print(f"{t['name']:<10} {t['description']}")
         for v in t["variants"]:
-            print(f"  {t['name']}:{v:<20} {t.get('variant_docs', {}).get(v, '')}")
+            print(f"  {t['name'] + ':' + v:<36} {t.get('variant_docs', {}).get(v, '')}")
     return EXIT_OK

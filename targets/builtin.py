@@ -25,29 +25,29 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """log p(target) and entropy of softmax(logits / t) for logits split by columns over TP."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, tp_group, with_entropy, entropy_grad):  # type: ignore[override]
+    def forward(ctx, logits, targets, temperature, tp_group, with_entropy, entropy_grad, comm):  # type: ignore[override]
         v_local = logits.size(-1)
         vocab_start = dist.get_rank(tp_group) * v_local
         s = logits.float() / temperature
         row_max = s.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        comm.all_reduce(row_max, dist.ReduceOp.MAX, tp_group, "max")
         s -= row_max.unsqueeze(-1)
         exp = s.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
+        comm.all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group, "sum_exp")
 
         local = targets - vocab_start
         in_shard = (local >= 0) & (local < v_local)
         local = local.clamp(0, v_local - 1)
         target_logit = s.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
-        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=tp_group)
+        comm.all_reduce(target_logit, dist.ReduceOp.SUM, tp_group, "target_logit")
 
         log_sum_exp = sum_exp.log()
         log_prob = target_logit - log_sum_exp
         p = exp.div_(sum_exp.unsqueeze(-1))
         if with_entropy:
             mean_s = (p * s).sum(dim=-1)
-            dist.all_reduce(mean_s, op=dist.ReduceOp.SUM, group=tp_group)
+            comm.all_reduce(mean_s, dist.ReduceOp.SUM, tp_group, "mean_s")
             entropy = log_sum_exp - mean_s
         else:
             mean_s = None
@@ -76,24 +76,24 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             # d entropy / d s = -p * (s - sum_v p_v s_v)
             grad -= grad_entropy.unsqueeze(-1) * p * (s - mean_s.unsqueeze(-1))
         grad /= ctx.temperature
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over a group; the gradient of a sum of replicas is the sum of their gradients."""
 
     @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
+    def forward(ctx, x, group, comm):  # type: ignore[override]
+        ctx.group, ctx.comm = group, comm
         y = x.clone()
-        dist.all_reduce(y, group=group)
+        comm.all_reduce(y, dist.ReduceOp.SUM, group, "redistribute")
         return y
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        ctx.comm.all_reduce(grad, dist.ReduceOp.SUM, ctx.group, "redistribute_grad")
+        return grad, None, None
 
 
 class BuiltinTarget:
@@ -102,14 +102,32 @@ class BuiltinTarget:
     name = "builtin"
     capabilities = Capabilities()
 
-    def __init__(self, variant: str | None = None) -> None:
-        if variant is not None:
-            raise ValueError(f"builtin has no variant {variant!r}")
-
     def describe(self) -> dict[str, Any]:
         from shardcheck import __version__
 
         return {"name": self.name, "version": __version__}
+
+    # -- the seams the mutants (targets/mutants.py) vary ----------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: Any, group: Any, step: str) -> None:
+        """Every collective goes through here; ``step`` names it (max, sum_exp, target_logit,
+        mean_s, redistribute, redistribute_grad)."""
+        dist.all_reduce(tensor, op=op, group=group)
+
+    def entropy_grad_wanted(self, inputs: RankInputs) -> bool:
+        """Keep the entropy's gradient only when the loss can use it (decided once, here)."""
+        return inputs.with_entropy and inputs.entropy_coef != 0
+
+    def extract(self, values: torch.Tensor, slices: list[Any], key: str) -> list[torch.Tensor | None]:
+        """Per sample, this rank's local part of a per-row result."""
+        return [values[s] for s in slices]
+
+    def chunk_targets(self, targets: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The tokens the rows [start, stop) of a chunk predict."""
+        return targets[start:stop]
+
+    def contribution(self, value: torch.Tensor, before: int, response: int) -> torch.Tensor:
+        """A sample's full-response vector holding this rank's all-gather slice (zeros elsewhere)."""
+        return torch.nn.functional.pad(value, (before, response - before - value.numel()))
 
     # -- the entry point ------------------------------------------------------------------
     def compute(self, inputs: RankInputs) -> RankOutputs:
@@ -118,11 +136,10 @@ class BuiltinTarget:
             raise ValueError(f"logits must be 3-D, got shape {tuple(logits.shape)}")
         rows = logits.reshape(-1, logits.size(-1))
         targets, slices = self.row_targets_and_slices(inputs, rows.size(0))
-        entropy_grad = inputs.with_entropy and inputs.entropy_coef != 0
-        log_prob, entropy = self.log_probs_and_entropy(rows, targets, inputs, entropy_grad)
-        res = {"log_probs": [log_prob[s] for s in slices]}
+        log_prob, entropy = self.log_probs_and_entropy(rows, targets, inputs, self.entropy_grad_wanted(inputs))
+        res = {"log_probs": self.extract(log_prob, slices, "log_probs")}
         if inputs.with_entropy:
-            res["entropy"] = [entropy[s] for s in slices]
+            res["entropy"] = self.extract(entropy, slices, "entropy")
         if inputs.allgather_cp:
             res = {k: self.redistribute_allgather(v, inputs, rows.size(0)) for k, v in res.items()}
         return RankOutputs(res["log_probs"], res.get("entropy"))
@@ -139,8 +156,8 @@ class BuiltinTarget:
         lps, ents = [], []
         for start in range(0, n, step):
             lp, ent = _VocabParallelLogProbEntropy.apply(
-                rows[start : start + step], targets[start : start + step], inputs.temperature,
-                inputs.tp_group, inputs.with_entropy, entropy_grad,
+                rows[start : start + step], self.chunk_targets(targets, start, start + step), inputs.temperature,
+                inputs.tp_group, inputs.with_entropy, entropy_grad, self,
             )
             lps.append(lp)
             ents.append(ent)
@@ -224,9 +241,9 @@ class BuiltinTarget:
         for value, total, response in zip(values, inputs.total_lengths, inputs.response_lengths):
             first = seq_start + total - response - 1
             before = max(lo, first) - first if value.numel() else 0
-            parts.append(torch.nn.functional.pad(value, (before, response - before - value.numel())))
+            parts.append(self.contribution(value, before, response))
             seq_start += total
-        full = _AllReduceSum.apply(torch.cat(parts), inputs.cp_group)
+        full = _AllReduceSum.apply(torch.cat(parts), inputs.cp_group, self)
         c, r = inputs.cp_size, inputs.cp_rank
         shares = []
         for resp, total, response in zip(full.split(inputs.response_lengths), inputs.total_lengths,

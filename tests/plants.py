@@ -76,3 +76,79 @@ class RaiseOnCpRank1(BuiltinTarget):
         if inputs.cp_rank == 1:
             raise RuntimeError("planted failure on cp rank 1")
         return super().compute(inputs)
+
+
+# -- one extra collective on one rank, through each route that reaches the backend -------------
+
+def _extra_call(route: str, group) -> None:
+    t = torch.ones(3)
+    if route == "dist":
+        torch.distributed.all_reduce(t, group=group)
+    elif route == "dist_nn":
+        import torch.distributed.nn.functional as dnn
+
+        dnn.all_reduce(t, group=group)
+    elif route == "functional":
+        import torch.distributed._functional_collectives as fc
+
+        fc.wait_tensor(fc.all_reduce(t, "sum", group))
+    elif route == "megatron":
+        from megatron.core.tensor_parallel import mappings
+
+        mappings.reduce_from_tensor_model_parallel_region(t)
+    else:
+        raise ValueError(route)
+
+
+class _ExtraInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, route, group):  # type: ignore[override]
+        ctx.route, ctx.group = route, group
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        _extra_call(ctx.route, ctx.group)
+        return grad, None, None
+
+
+class ExtraCall(BuiltinTarget):
+    """builtin, plus one extra all-reduce over TP on TP rank 1 only, through one route"""
+
+    def __init__(self, route: str, phase: str) -> None:
+        self.route, self.phase = route, phase
+        self.name = f"plants:extra_{route}_{phase}"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        if inputs.tp_rank == 1:
+            if self.phase == "forward":
+                _extra_call(self.route, inputs.tp_group)
+            else:
+                inputs.logits = _ExtraInBackward.apply(inputs.logits, self.route, inputs.tp_group)
+        return super().compute(inputs)
+
+
+def _factory(route: str, phase: str):
+    def make() -> ExtraCall:
+        return ExtraCall(route, phase)
+
+    return make
+
+
+ROUTES = ("dist", "dist_nn", "functional", "megatron")
+for _route in ROUTES:
+    for _phase in ("forward", "backward"):
+        globals()[f"extra_{_route}_{_phase}"] = _factory(_route, _phase)
+
+
+class DieOnCpRank1(BuiltinTarget):
+    """builtin, but the process of CP rank 1 exits abruptly before its first collective"""
+
+    name = "plants:DieOnCpRank1"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        if inputs.cp_rank == 1:
+            import os
+
+            os._exit(3)
+        return super().compute(inputs)

@@ -25,9 +25,17 @@ def _file(tmp_path, content) -> str:
 
 def test_suites_and_targets_listings():
     proc = run_cli("suites")
-    assert proc.returncode == 0 and proc.stdout.startswith("smoke") and "52 scenarios" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0
+    assert any(ln.startswith("smoke") and "52 scenarios" in ln for ln in lines), proc.stdout
+    assert any(ln.startswith("regressions") for ln in lines), proc.stdout
     proc = run_cli("targets")
     assert proc.returncode == 0 and proc.stdout.startswith("builtin")
+    from shardcheck.targets.mutants import MUTANTS
+
+    assert len(MUTANTS) >= 8
+    for name in MUTANTS:  # every mutant listed, with its one-line documentation
+        assert f"builtin:{name} " in proc.stdout
 
 
 def test_console_script_and_module_agree():
@@ -58,7 +66,7 @@ def test_bad_scenario_file(tmp_path, content, fragment):
         (["run", "--target", "nosuch"], "unknown target 'nosuch'"),
         (["run", "--target", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
         (["run", "--target", "json:nothing_here"], "has no attribute 'nothing_here'"),
-        (["run", "--target", "builtin:nope"], "builtin has no variant 'nope'"),
+        (["run", "--target", "builtin:nope"], "target 'builtin' has no variant 'nope' (known: "),
         (["run", "--suite", "nope"], "unknown suite 'nope'"),
         (["run", "--scenario", "nope"], "unknown scenario(s) 'nope'"),
         (["run", "--nproc", "0"], "--nproc must be >= 1"),

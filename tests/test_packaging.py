@@ -26,4 +26,4 @@ def test_wheel_holds_only_the_shardcheck_namespace(tmp_path):
     ep = next(n for n in names if n.endswith("entry_points.txt"))
     text = meta.read(ep).decode()
     assert "shardcheck = shardcheck.cli:main" in text
-    assert "[shardcheck.targets]" in text and "builtin = shardcheck.targets.builtin:BuiltinTarget" in text
+    assert "[shardcheck.targets]" in text and "builtin = shardcheck.targets.mutants:builtin" in text

@@ -60,24 +60,50 @@ def test_corrupted_gradient_is_named(tmp_path, layout, tp, cp):
     assert "grad sample 1 token 3 column 5" in proc.stdout
 
 
-def test_raising_rank_is_reported_and_world_recovers(tmp_path):
-    """A rank that raises while its peer waits in a collective: both reported within the bounded
-    collective timeout; the world restarts by itself and the next scenario runs."""
+def test_without_lockstep_a_raising_rank_is_bounded_by_the_timeout_and_the_world_restarts(tmp_path):
+    """No lockstep: rank 1 raises while rank 0 sits in a gloo all-reduce; the collective timeout
+    ends the wait, both are reported, the world restarts by itself and the next scenario runs."""
     scenarios = [_small("allgather", 1, 2, "ag-raise"), _small("zigzag", 1, 2, "zz-after")]
     f = write_scenarios(tmp_path / "s.json", scenarios)
     report = tmp_path / "r.json"
     t0 = time.perf_counter()
     proc = run_cli("run", "--target", "plants:RaiseOnCpRank1", "--scenario-file", str(f), "--timeout", "5",
-                   "--json-report", str(report), timeout=240)
+                   "--no-lockstep", "--json-report", str(report), timeout=240)
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    by_name = {v["name"]: v for v in json.loads(report.read_text())["scenarios"]}
+    doc = json.loads(report.read_text())
+    by_name = {v["name"]: v for v in doc["scenarios"]}
     first = by_name["ag-raise"]["failures"]
     assert first[0]["kind"] == "rank_error"
     assert "RuntimeError: planted failure on cp rank 1" in first[0]["message"]
     assert "plants.py" in first[0]["message"], "the report must say where it was raised"
+    assert any("Timed out" in f["message"] and 0 in f["ranks"] for f in first), first
     assert elapsed < 120, f"took {elapsed:.0f}s: a wait was not bounded"
-    # rank 1 raised again in the second scenario, but rank 0 (zigzag, no CP collective) finished
-    second = by_name["zz-after"]["failures"]
-    assert any(f["kind"] == "rank_error" and 1 in f["ranks"] for f in second)
-    assert json.loads(report.read_text())["startup_seconds"].__len__() == 2, "the world restarts after a rank error"
+    assert any(f["kind"] == "rank_error" and 1 in f["ranks"] for f in by_name["zz-after"]["failures"])
+    assert len(doc["startup_seconds"]) == 2, "the world restarts after a rank error without lockstep"
+    assert doc["lockstep"] is False
+
+
+def test_a_hang_is_a_report_at_once_with_lockstep_and_a_timeout_without(tmp_path):
+    """The lockstep check is what turns the hang into a report: the same mutant blocks until the
+    collective timeout without it."""
+    timeout = 6
+    seconds = {}
+    for mode in ("--no-lockstep", None):
+        report = tmp_path / f"r{mode}.json"
+        args = ["run", "--target", "builtin:skip_empty_rank", "--suite", "regressions",
+                "--scenario", "ag-empty-local-slices", "--timeout", str(timeout), "--json-report", str(report)]
+        proc = run_cli(*(args + [mode] if mode else args), timeout=240)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        [v] = json.loads(report.read_text())["scenarios"]
+        seconds[mode] = v["seconds"]
+        kinds = {(f["kind"], f.get("phase")) for f in v["failures"]}
+        if mode:
+            assert ("rank_error", None) in kinds and ("collective_mismatch", "forward") not in kinds, v
+        else:
+            assert ("collective_mismatch", "forward") in kinds, v
+            [f] = [f for f in v["failures"] if f["kind"] == "collective_mismatch"]
+            assert f["details"]["reported_after_s"] < 1.0
+            assert "finished the scenario after 0 calls" in f["message"]
+    assert seconds["--no-lockstep"] >= timeout, seconds
+    assert seconds[None] < 1.0, seconds

@@ -1,0 +1,173 @@
+"""Mutants of the builtin target: one small, named variation of the correct code per bug class
+of CONTEXT.md, each run as ``builtin:NAME``. Each states the failure the harness must report
+(kind and phase) on the ``regressions`` suite; tests hold the harness to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardcheck.targets.base import RankInputs
+from shardcheck.targets.builtin import BuiltinTarget
+
+
+class Mutant(BuiltinTarget):
+    expected: tuple[str, str | None] = ("", None)  # (failure kind, phase) on the regressions suite
+
+
+class EntropyNone(Mutant):
+    """class 1: entropy None (not an empty tensor) for a sample with an empty all-gather slice;
+    the redistribution crashes on those ranks while their peers wait in the all-reduce"""
+
+    expected = ("rank_error", None)
+
+    def extract(self, values: torch.Tensor, slices: list[Any], key: str) -> list[torch.Tensor | None]:
+        out = super().extract(values, slices, key)
+        return [None if key == "entropy" and v.numel() == 0 else v for v in out]
+
+
+class SkipEmptyRank(Mutant):
+    """class 2: a rank whose every all-gather slice is empty skips the redistribution all-reduce
+    (and returns zeros): the others hang in forward"""
+
+    expected = ("collective_mismatch", "forward")
+
+    def redistribute_allgather(self, values: list[torch.Tensor], inputs: RankInputs, n_rows: int) -> list:
+        if all(v.numel() == 0 for v in values):
+            return [torch.zeros(0, requires_grad=True) for _ in values]
+        return super().redistribute_allgather(values, inputs, n_rows)
+
+
+class GradPlaceholder(Mutant):
+    """class 3: zero placeholders for empty slices that require grad while the real (entropy_coef
+    = 0, hence non-differentiable) entropy slices do not: the backward all-reduce runs on some
+    ranks only, a hang in backward ("comm stuck in DSA")"""
+
+    expected = ("collective_mismatch", "backward")
+
+    def contribution(self, value: torch.Tensor, before: int, response: int) -> torch.Tensor:
+        if value.numel() == 0:
+            return torch.zeros(response, dtype=value.dtype, requires_grad=True)
+        return super().contribution(value, before, response)
+
+
+class EntropyNoGrad(Mutant):
+    """class 4: entropy computed without gradient even when entropy_coef != 0: silently wrong
+    gradients, no hang"""
+
+    expected = ("grad_mismatch", None)
+
+    def entropy_grad_wanted(self, inputs: RankInputs) -> bool:
+        return False
+
+
+class EntropyGradInverted(Mutant):
+    """class 4: the entropy-gradient condition inverted (kept only when entropy_coef == 0)"""
+
+    expected = ("grad_mismatch", None)
+
+    def entropy_grad_wanted(self, inputs: RankInputs) -> bool:
+        return inputs.with_entropy and inputs.entropy_coef == 0
+
+
+class CallerDecidesGrad(Mutant):
+    """class 5: whether the entropy keeps its gradient is decided by one caller (the policy loss
+    passes need_entropy_grad=True); every other caller gets the default, no gradient"""
+
+    expected = ("grad_mismatch", None)
+
+    def compute(self, inputs: RankInputs, need_entropy_grad: bool = False):  # type: ignore[override]
+        self._need = need_entropy_grad
+        return super().compute(inputs)
+
+    def entropy_grad_wanted(self, inputs: RankInputs) -> bool:
+        return inputs.with_entropy and self._need
+
+
+class ChunkOffByOne(Mutant):
+    """class 6: chunked computation reads each later chunk's tokens one row early"""
+
+    expected = ("value_mismatch", None)
+
+    def chunk_targets(self, targets: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        stop = min(stop, targets.numel())
+        return targets[start - 1 : stop - 1] if start > 0 else targets[start:stop]
+
+
+class SampleBoundaryOffByOne(Mutant):
+    """class 6: packed (thd/bshd) extraction one row late at every sample boundary"""
+
+    expected = ("value_mismatch", None)
+
+    def row_targets_and_slices(self, inputs: RankInputs, n_rows: int):  # type: ignore[override]
+        targets, slices = super().row_targets_and_slices(inputs, n_rows)
+        if inputs.cp_size == 1:
+            slices = [slice(s.start + 1, s.stop + 1) for s in slices]
+        return targets, slices
+
+
+class SkipSameShapeAllReduce(Mutant):
+    """a TP rank skips the target-logit all-reduce; its next one (the entropy's) has the same
+    shape and reduce op, so gloo would silently mis-pair them: a wrong result, then a hang"""
+
+    expected = ("collective_mismatch", "forward")
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, group: Any, step: str) -> None:
+        if step == "target_logit" and dist.get_rank(group) == 1:
+            return
+        super().all_reduce(tensor, op, group, step)
+
+
+class ReduceOpSwap(Mutant):
+    """one TP rank reduces the row maximum with SUM instead of MAX (gloo does not notice)"""
+
+    expected = ("collective_mismatch", "forward")
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, group: Any, step: str) -> None:
+        if step == "max" and dist.get_rank(group) == 1:
+            op = dist.ReduceOp.SUM
+        super().all_reduce(tensor, op, group, step)
+
+
+class BackwardSkipZeroGrad(Mutant):
+    """an 'optimisation' in backward only: a rank whose gradient for the redistributed responses
+    is all zero (its zigzag share is empty) skips the backward all-reduce"""
+
+    expected = ("collective_mismatch", "backward")
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, group: Any, step: str) -> None:
+        if step == "redistribute_grad" and not tensor.any():
+            return
+        super().all_reduce(tensor, op, group, step)
+
+
+MUTANTS: dict[str, type[Mutant]] = {
+    "entropy_none": EntropyNone,
+    "skip_empty_rank": SkipEmptyRank,
+    "grad_placeholder": GradPlaceholder,
+    "entropy_no_grad": EntropyNoGrad,
+    "entropy_grad_inverted": EntropyGradInverted,
+    "caller_decides_grad": CallerDecidesGrad,
+    "chunk_off_by_one": ChunkOffByOne,
+    "sample_boundary_off_by_one": SampleBoundaryOffByOne,
+    "skip_same_shape_allreduce": SkipSameShapeAllReduce,
+    "reduce_op_swap": ReduceOpSwap,
+    "backward_skip_zero_grad": BackwardSkipZeroGrad,
+}
+
+
+def builtin(variant: str | None = None) -> BuiltinTarget:
+    """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
+    if variant is None:
+        return BuiltinTarget()
+    if variant not in MUTANTS:
+        raise ValueError(f"builtin has no variant {variant!r}")
+    target = MUTANTS[variant]()
+    target.name = f"builtin:{variant}"
+    return target
+
+
+builtin.variants = {name: " ".join((cls.__doc__ or "").split()) for name, cls in MUTANTS.items()}  # type: ignore[attr-defined]

@@ -1,0 +1,110 @@
+"""The collective trace and the lockstep check, on one shared 4-rank gloo world."""
+
+import pytest
+
+from plants import ROUTES
+from shardcheck.harness import runner
+from shardcheck.harness.world import World
+from shardcheck.scenarios import Sample, Scenario, get_suite
+from shardcheck.targets.mutants import MUTANTS
+
+pytestmark = pytest.mark.world
+
+
+class _Collect:
+    def start(self, info, scenarios):
+        self.info = info
+
+    def add(self, verdict):
+        pass
+
+    def finish(self, info):
+        pass
+
+
+@pytest.fixture(scope="module")
+def world():
+    with World(4, timeout=20) as w:
+        yield w
+
+
+def _run(world, target, scenarios):
+    return runner.run(scenarios, target, reporter=_Collect(), world=world)
+
+
+def test_builtin_passes_the_regressions(world):
+    result = _run(world, "builtin", get_suite("regressions"))
+    assert result.exit_code == 0, [v.headline() for v in result.verdicts]
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_every_mutant_is_caught_with_its_kind_and_phase(world, name):
+    starts = len(world.startup_seconds)
+    result = _run(world, f"builtin:{name}", get_suite("regressions"))
+    assert result.exit_code == 1
+    kind, phase = MUTANTS[name].expected
+    found = [f for v in result.verdicts for f in v.failures if f.kind == kind and f.phase == phase]
+    assert found, {v.scenario.name: [(f.kind, f.phase) for f in v.failures] for v in result.verdicts}
+    if kind == "collective_mismatch":
+        for f in found:  # reported within a second of the divergent call
+            assert f.details["reported_after_s"] < 1.0, f.details
+        # the mismatched call was never issued: the world goes on without a restart
+        assert len(world.startup_seconds) == starts
+
+
+def test_same_shape_skip_is_caught_at_the_skipped_call(world):
+    """gloo would pair rank 1's entropy all-reduce with rank 0's target-logit one (same shape, same
+    op): the call stack in the fingerprint tells them apart, at the first divergent call."""
+    sc = get_suite("regressions")[2]
+    [v] = _run(world, "builtin:skip_same_shape_allreduce", [sc]).verdicts
+    f = v.failures[0]
+    assert f.kind == "collective_mismatch" and f.phase == "forward"
+    assert f.details["call"] == 2 and "differ in stack" in f.message, f.message
+    assert "tp group" in f.message
+
+
+def test_reduce_op_swap_is_caught(world):
+    sc = get_suite("regressions")[2]
+    [v] = _run(world, "builtin:reduce_op_swap", [sc]).verdicts
+    f = v.failures[0]
+    assert f.kind == "collective_mismatch" and f.details["call"] == 0
+    assert "all_reduce(MAX" in f.message and "all_reduce(SUM" in f.message and "differ in reduce_op" in f.message
+
+
+TP2 = Scenario("tp2", (Sample(11, 4), Sample(7, 3)), vocab=16, tp=2, entropy_coef=0.1, seed=5)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_one_extra_call_on_one_rank_is_caught_through_every_route(world, route, phase):
+    [v] = _run(world, f"plants:extra_{route}_{phase}", [TP2]).verdicts
+    assert v.status == "fail"
+    f = v.failures[0]
+    assert f.kind == "collective_mismatch", [x.message for x in v.failures]
+    assert f.phase == phase
+    # the call site of the extra call: the first frame outside torch and shardcheck
+    site = "megatron/core/tensor_parallel/mappings.py" if route == "megatron" else "plants.py"
+    assert site in f.message, f.message
+    assert f.details["reported_after_s"] < 1.0
+
+
+def test_a_rank_that_raises_is_named_with_where_its_peers_wait(world):
+    sc = Scenario("ag", (Sample(11, 4), Sample(19, 9)), vocab=16, cp=2, layout="allgather", seed=3)
+    starts = len(world.startup_seconds)
+    [v] = _run(world, "plants:RaiseOnCpRank1", [sc]).verdicts
+    f = v.failures[0]
+    assert f.kind == "rank_error"
+    assert "planted failure on cp rank 1" in f.message and "plants.py" in f.message
+    assert "was waiting in all_reduce" in f.message and "builtin.py" in f.message
+    assert len(world.startup_seconds) == starts  # nothing half-issued: no restart needed
+
+
+def test_a_rank_that_dies_is_named_and_the_world_restarts(world):
+    sc = Scenario("ag", (Sample(11, 4), Sample(19, 9)), vocab=16, cp=2, layout="allgather", seed=3)
+    starts = len(world.startup_seconds)
+    [v] = _run(world, "plants:DieOnCpRank1", [sc]).verdicts
+    messages = " | ".join(f.message for f in v.failures)
+    assert v.failures[0].kind == "rank_error" and "died (exit code 3)" in messages, messages
+    assert "was waiting in all_reduce" in messages, messages
+    [after] = _run(world, "builtin", [sc]).verdicts
+    assert after.status == "pass" and len(world.startup_seconds) == starts + 1
