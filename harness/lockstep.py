@@ -1,9 +1,12 @@
 """The lockstep check: before a collective reaches the backend, the ranks of its group compare
 fingerprints over the c10d store, with bounded waits, so a would-be hang becomes a report.
 
-Per call, a rank sets ``call/<seq>/<group>/<number>/<rank>`` to its fingerprint and reads its
-peers' keys. Equal fingerprints: the call goes on. Different ones: every member raises
-:class:`CollectiveMismatch` and the call is never issued, so the backend's groups stay in step.
+Per call, a rank sets ``agree/<seq>/<group>/<number>/<digest>/<rank>`` (the digest of its
+fingerprint) and waits for its peers' keys with the same digest: two store round trips when all
+agree, and the call goes on. When that wait runs out (one slice), the rank publishes its whole
+fingerprint under ``call/<seq>/<group>/<number>/<rank>``: a peer whose fingerprint differs is
+then seen, every member raises :class:`CollectiveMismatch`, and the call is never issued, so the
+backend's groups stay in step.
 
 A peer that never arrives is found through status keys (``status/<seq>/<rank>``): a rank that
 finishes the scenario or stops on an error says so, the controller says so for a rank that died,
@@ -16,6 +19,7 @@ different group) are a mismatch too. All within a few slices of the divergent ca
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import time
 from collections import defaultdict, deque
@@ -28,6 +32,10 @@ from shardcheck.harness.trace import POINT_TO_POINT, Call
 
 SLICE_S = 0.05  # how long a wait blocks before it looks at the peers' status
 LAST_MATCHED = 3
+
+
+def agree_key(seq: int, group: str, number: int, digest: str, rank: int) -> str:
+    return f"agree/{seq}/{group}/{number}/{digest}/{rank}"
 
 
 def call_key(seq: int, group: str, number: int, rank: int) -> str:
@@ -63,9 +71,9 @@ class Lockstep:
 
     def __init__(self, port: int, rank: int, world_size: int, timeout: float,
                  label: Callable[[str], str] | None = None) -> None:
-        # get/multi_get are only called for keys known to exist: a get that times out would leave
-        # its late reply on the socket. Waiting is done with wait(keys, timeout), which cancels
-        # cleanly on the server when it times out.
+        # get is only called for keys known to exist: a get that times out would leave its late
+        # reply on the socket. Waiting is done with wait(keys, timeout), which cancels cleanly
+        # on the server when it times out.
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False,
                                    timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         self.slice = datetime.timedelta(seconds=SLICE_S)
@@ -78,6 +86,7 @@ class Lockstep:
         self.matched: dict[str, deque] = defaultdict(lambda: deque(maxlen=LAST_MATCHED))
         self.counts: dict[str, int] = {}
         self.waiting: dict[str, Any] | None = None
+        self._digests: dict[tuple, str] = {}
 
     def begin(self, seq: int, scenario: str) -> None:
         self.seq, self.scenario = seq, scenario
@@ -101,35 +110,41 @@ class Lockstep:
         peers = [r for r in call.ranks if r != self.rank]
         if not peers or call.op in POINT_TO_POINT:  # point-to-point is traced, not lockstepped
             return
-        mine = call.fingerprint()
-        self.store.set(call_key(self.seq, call.group, call.number, self.rank), json.dumps(mine, sort_keys=True))
-        theirs = self._await(call, peers)
-        sides = {self.rank: mine} | theirs
-        if any(fp != mine for fp in theirs.values()):
-            raise CollectiveMismatch(self._report(call, {r: _side(fp) for r, fp in sides.items()}))
-        self.matched[call.group].append(call.describe())
-
-    def _await(self, call: Call, peers: list[int]) -> dict[int, dict[str, Any]]:
-        keys = {p: call_key(self.seq, call.group, call.number, p) for p in peers}
+        t_call = time.time()
+        fp_key = call.fingerprint_key()
+        digest = self._digests.get(fp_key)
+        if digest is None:  # the same call site repeats thousands of times: hash it once
+            digest = self._digests[fp_key] = hashlib.blake2b(repr(fp_key).encode(), digest_size=8).hexdigest()
+        # Fast path, two round trips: announce my fingerprint's digest, then wait for every peer
+        # to have announced the same one. Equal digests: the call goes on.
+        self.store.set(agree_key(self.seq, call.group, call.number, digest, self.rank), "")
+        agree = {p: agree_key(self.seq, call.group, call.number, digest, p) for p in peers}
         try:
-            self.store.wait(list(keys.values()), self.slice)
-            return {p: json.loads(v) for p, v in zip(peers, self.store.multi_get(list(keys.values())))}
+            self.store.wait(list(agree.values()), self.slice)
         except dist.DistStoreError:
-            pass  # someone is late: find out why, slice by slice
-        t0 = time.perf_counter()
-        got: dict[int, dict[str, Any]] = {}
+            self._slow_path(call, json.dumps(call.fingerprint(), sort_keys=True), agree, t_call)
+        self.matched[call.group].append(call)
+
+    def _slow_path(self, call: Call, mine: str, agree: dict[int, str], t_call: float) -> None:
+        """A peer is late or different: publish the whole fingerprint, then find out which."""
+        self.store.set(call_key(self.seq, call.group, call.number, self.rank), mine)
+        plain = {p: call_key(self.seq, call.group, call.number, p) for p in agree}
+        same: set[int] = set()
         published: list[int] | None = None
         cycle_seen = None
         try:
             while True:
-                for p in [p for p in peers if p not in got]:
-                    if self.store.check([keys[p]]):
-                        got[p] = json.loads(self.store.get(keys[p]))
-                missing = [p for p in peers if p not in got]
+                for p in agree:
+                    if p not in same and self.store.check([agree[p]]):
+                        same.add(p)
+                missing = [p for p in agree if p not in same]
                 if not missing:
-                    if published is not None:
-                        self._set_status({"state": "running"})
-                    return got
+                    return
+                differ = [p for p in missing if self.store.check([plain[p]])]
+                if differ:
+                    sides = {r: json.loads(mine) for r in [self.rank, *same]}
+                    sides |= {p: json.loads(self.store.get(plain[p])) for p in differ}
+                    raise CollectiveMismatch(self._report(call, {r: _side(fp) for r, fp in sides.items()}, t_call))
                 if missing != published:  # say what this rank waits for (peers find cycles with it)
                     self.waiting = {"group": call.group, "number": call.number, "call": call.describe(),
                                     "for": missing, "label": self.label(call.group)}
@@ -139,24 +154,26 @@ class Lockstep:
                 for p in missing:
                     st = statuses.get(p)
                     if st and st["state"] == "finished":
-                        sides = {self.rank: _side(call.fingerprint())} | {
-                            p: {"finished_after": st["counts"].get(call.group, 0)}}
-                        raise CollectiveMismatch(self._report(call, sides, time.perf_counter() - t0))
+                        sides = {r: _side(json.loads(mine)) for r in [self.rank, *same]}
+                        sides[p] = {"finished_after": st["counts"].get(call.group, 0)}
+                        raise CollectiveMismatch(self._report(call, sides, t_call))
                     if st and st["state"] in ("stopped", "died"):
                         raise PeerStopped(self._stopped_report(call, p, st))
                 cycle = _wait_cycle(self.rank, statuses | {self.rank: {"state": "waiting", **self.waiting}})
                 if cycle and cycle == cycle_seen:  # the same cycle twice: not a stale read
-                    raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, time.perf_counter() - t0))
+                    raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, t_call))
                 cycle_seen = cycle
-                if time.perf_counter() - t0 > self.timeout:
+                if time.time() - t_call > self.timeout:
                     raise LockstepTimeout(
                         f"waited {self.timeout:.0f}s in {call.describe()} for ranks {missing}, "
                         "which neither arrived nor said why")
                 try:
-                    self.store.wait([keys[missing[0]]], self.slice)
+                    self.store.wait([agree[missing[0]]], self.slice)
                 except dist.DistStoreError:
                     pass
         finally:
+            if published is not None:
+                self._set_status({"state": "running"})
             self.waiting = None
 
     def _statuses(self) -> dict[int, dict[str, Any]]:
@@ -172,7 +189,7 @@ class Lockstep:
         label = self.label(call.group)
         return f"{label + ' ' if label else ''}group {call.ranks} call {call.number}"
 
-    def _report(self, call: Call, sides: dict[int, dict[str, Any]], waited: float = 0.0) -> dict[str, Any]:
+    def _report(self, call: Call, sides: dict[int, dict[str, Any]], t_call: float) -> dict[str, Any]:
         parts = []
         for r in sorted(sides):
             s = sides[r]
@@ -188,10 +205,10 @@ class Lockstep:
             "phase": "/".join(phases),
             "group": call.group, "group_ranks": call.ranks, "label": self.label(call.group), "call": call.number,
             "sides": {str(r): s for r, s in sides.items()},
-            "last_matched": list(self.matched[call.group]),
+            "last_matched": [c.describe() for c in self.matched[call.group]],
             "scenario": self.scenario,
-            "detected_after_s": waited,
-            "divergent_call_at": time.time() - waited,
+            "detected_after_s": time.time() - t_call,
+            "divergent_call_at": t_call,
         }
 
     def _stopped_report(self, call: Call, peer: int, status: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +219,7 @@ class Lockstep:
             "peer": peer, "waiting_at": call.describe(), "phase": call.phase,
         }
 
-    def _cycle_report(self, call: Call, cycle: list[int], statuses: dict[int, Any], waited: float) -> dict[str, Any]:
+    def _cycle_report(self, call: Call, cycle: list[int], statuses: dict[int, Any], t_call: float) -> dict[str, Any]:
         everyone = statuses | {self.rank: {"state": "waiting", "call": call.describe(), "label": self.label(call.group),
                                            "number": call.number}}
         parts = [f"rank {r} waits in {everyone[r].get('label') or 'group'} call {everyone[r]['number']} "
@@ -212,10 +229,10 @@ class Lockstep:
             "phase": call.phase,
             "group": call.group, "group_ranks": call.ranks, "label": self.label(call.group), "call": call.number,
             "sides": {str(r): everyone[r] for r in cycle},
-            "last_matched": list(self.matched[call.group]),
+            "last_matched": [c.describe() for c in self.matched[call.group]],
             "scenario": self.scenario,
-            "detected_after_s": waited,
-            "divergent_call_at": time.time() - waited,
+            "detected_after_s": time.time() - t_call,
+            "divergent_call_at": t_call,
         }
 
 

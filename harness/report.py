@@ -92,7 +92,10 @@ class TerminalReport:
         if self.live and not self.quiet:
             print(file=self.err)
         in_suite_order = sorted(self.verdicts, key=lambda v: self.order.get(v.scenario.name, 0))
-        print(render_table(in_suite_order, info), file=self.out)
+        try:
+            print(render_table(in_suite_order, info), file=self.out, flush=True)
+        except BrokenPipeError:  # piped into head: the verdicts (and exit status) still stand
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
 
 
 def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
@@ -109,7 +112,10 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
         lines.append("")
         lines.append(f"FAILED {v.scenario.name}  ({v.scenario.summary()})")
         for f in v.failures[:MAX_FAILURES_SHOWN]:
-            lines.append(f"  {f.kind} [ranks {_ranks(f.ranks)}]: {f.message}")
+            phase = f" in {f.phase}" if f.phase else ""
+            lines.append(f"  {f.kind}{phase} [ranks {_ranks(f.ranks)}]: {f.message}")
+            for call in f.details.get("last_matched", []):
+                lines.append(f"      last matched before it: {call}")
         if len(v.failures) > MAX_FAILURES_SHOWN:
             lines.append(f"  ... {len(v.failures) - MAX_FAILURES_SHOWN} more in the JSON report")
     c = _counts(verdicts)

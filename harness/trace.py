@@ -87,9 +87,12 @@ class Call:
 
     def fingerprint(self) -> dict[str, Any]:
         """What every member of the group must agree on."""
-        d = asdict(self)
-        del d["ranks"], d["number"], d["group"]
-        return d
+        return {k: getattr(self, k) for k in FINGERPRINT}
+
+    def fingerprint_key(self) -> tuple:
+        """The fingerprint as a hashable tuple (cheap; for memoising its digest)."""
+        return (self.op, tuple(map(tuple, self.shapes)), self.dtype, self.reduce_op, self.root, self.phase,
+                tuple(self.stack))
 
     def describe(self) -> str:
         shape = ",".join("x".join(map(str, s)) for s in self.shapes) or "-"
@@ -101,6 +104,8 @@ class Call:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+
+FINGERPRINT = ("op", "shapes", "dtype", "reduce_op", "root", "phase", "site", "stack")
 
 Checker = Callable[[Call], None]
 
@@ -117,6 +122,7 @@ class Trace:
 _lock = threading.Lock()
 _active: Trace | None = None  # one scenario at a time per rank; calls from any thread land here
 _library: Any = None
+_group_ranks: dict[str, list[int]] = {}  # group name -> global ranks (names are unique per process)
 
 
 class _Backend:
@@ -184,11 +190,14 @@ def _record(name: str, args: tuple, trace: Trace) -> Call | None:
     if pg_obj is None:
         return None
     pg = dist.ProcessGroup.unbox(pg_obj)
-    try:
-        ranks = dist.get_process_group_ranks(pg)
-    except (RuntimeError, ValueError, KeyError):
-        ranks = list(range(pg.size()))
     group = pg.group_name
+    ranks = _group_ranks.get(group)
+    if ranks is None:
+        try:
+            ranks = dist.get_process_group_ranks(pg)
+        except (RuntimeError, ValueError, KeyError):
+            ranks = list(range(pg.size()))
+        _group_ranks[group] = ranks
     with _lock:
         number = trace.counters.get(group, 0)
         trace.counters[group] = number + 1

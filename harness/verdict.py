@@ -39,6 +39,9 @@ class Failure:
 
     def identity(self) -> tuple:
         """What makes two ranks' reports the same finding (TP and DP replicas repeat them)."""
+        if self.kind == COLLECTIVE_MISMATCH and "group" in self.details:
+            # members may have seen different subsets of the group when they stopped
+            return (self.kind, self.details["group"], self.details.get("call"))
         return (self.kind, self.field, self.sample, self.token, self.position, self.column, self.message)
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,9 +109,11 @@ def merge(scenario: Scenario, results: list[dict[str, Any]], seconds: float) -> 
             if key in merged:
                 m = merged[key]
                 m.ranks = sorted(set(m.ranks) | set(f.ranks))
-                if "reported_after_s" in f.details:
-                    m.details["reported_after_s"] = min(m.details.get("reported_after_s", 1e9),
-                                                        f.details["reported_after_s"])
+                if len(f.details.get("sides", {})) > len(m.details.get("sides", {})):
+                    m.message, m.details["sides"] = f.message, f.details["sides"]  # the fullest view
+                for timing in ("reported_after_s", "detected_after_s"):  # the first rank to see it
+                    if timing in f.details:
+                        m.details[timing] = min(m.details.get(timing, 1e9), f.details[timing])
             else:
                 merged[key] = dataclasses.replace(f, ranks=list(f.ranks), details=dict(f.details))
     failures = sorted(merged.values(), key=_order)
@@ -132,6 +137,7 @@ def _order(f: Failure) -> tuple:
     return (
         0 if f.kind in (RANK_ERROR, COLLECTIVE_MISMATCH) else 1,
         f.details.get("at", 0.0),
+        "count" in f.details,  # "... N more" summaries after the findings they summarise
         f.sample if f.sample is not None else -1,
         f.token if f.token is not None else -1,
         f.position if f.position is not None else -1,

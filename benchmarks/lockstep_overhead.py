@@ -1,0 +1,106 @@
+"""Lockstep's cost and speed, measured in one run on this machine.
+
+Prints, for the smoke suite against the builtin target:
+  - wall time with lockstep, without it (trace only), and with TORCH_DISTRIBUTED_DEBUG=DETAIL
+    alone (no lockstep), each as total (with world start-up) and scenario time (without), and
+    their ratios to the run without lockstep;
+  - for every mutant whose bug is a would-be hang, the time from the divergent call to the
+    controller holding its report.
+
+    python benchmarks/lockstep_overhead.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from shardcheck.harness import runner
+from shardcheck.harness.world import World
+from shardcheck.scenarios import get_suite
+from shardcheck.targets.mutants import MUTANTS
+
+
+class _Quiet:
+    def start(self, info, scenarios):
+        pass
+
+    def add(self, verdict):
+        pass
+
+    def finish(self, info):
+        pass
+
+
+def _smoke(lockstep: bool, detail: bool, repeat: int) -> dict[str, float]:
+    saved = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    if detail:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read by the ranks when their groups are made
+    try:
+        t0 = time.perf_counter()
+        with World(4, timeout=60, lockstep=lockstep) as world:
+            startup = time.perf_counter() - t0
+            scenario_times = []
+            for _ in range(repeat):
+                t1 = time.perf_counter()
+                result = runner.run(get_suite("smoke"), "builtin", reporter=_Quiet(), world=world)
+                scenario_times.append(time.perf_counter() - t1)
+                if result.exit_code != 0:
+                    raise SystemExit(f"smoke failed (lockstep={lockstep}, detail={detail})")
+        return {"startup": startup, "scenarios": statistics.median(scenario_times),
+                "total": startup + statistics.median(scenario_times)}
+    finally:
+        if detail:
+            if saved is None:
+                del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+            else:
+                os.environ["TORCH_DISTRIBUTED_DEBUG"] = saved
+
+
+def _detection() -> list[tuple[str, str, float, float]]:
+    rows = []
+    with World(4, timeout=30) as world:
+        for name, cls in MUTANTS.items():
+            if cls.expected[0] != "collective_mismatch":
+                continue
+            result = runner.run(get_suite("regressions"), f"builtin:{name}", reporter=_Quiet(), world=world)
+            found = [f for v in result.verdicts for f in v.failures if f.kind == "collective_mismatch"]
+            for v in result.verdicts:
+                for f in v.failures:
+                    if f.kind == "collective_mismatch":
+                        rows.append((name, v.scenario.name, f.details["detected_after_s"],
+                                     f.details["reported_after_s"]))
+                        break
+            if not found:
+                raise SystemExit(f"{name}: no collective mismatch found")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3, help="smoke runs per mode (median reported)")
+    args = ap.parse_args()
+    modes = {
+        "no lockstep (trace only)": (False, False),
+        "lockstep": (True, False),
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL, no lockstep": (False, True),
+    }
+    figures = {label: _smoke(lock, detail, args.repeat) for label, (lock, detail) in modes.items()}
+    base = figures["no lockstep (trace only)"]
+    print(f"smoke suite, builtin target, 4 ranks (gloo), {len(get_suite('smoke'))} scenarios, "
+          f"median of {args.repeat} runs on one world per mode")
+    print(f"{'mode':<44} {'start-up':>9} {'scenarios':>10} {'total':>8} {'ratio(scen)':>12} {'ratio(total)':>13}")
+    for label, f in figures.items():
+        print(f"{label:<44} {f['startup']:>8.2f}s {f['scenarios']:>9.2f}s {f['total']:>7.2f}s "
+              f"{f['scenarios'] / base['scenarios']:>11.2f}x {f['total'] / base['total']:>12.2f}x")
+    print()
+    print("hang mutants on the regressions suite: divergent call -> detected on the rank -> report at the controller")
+    print(f"{'mutant':<28} {'scenario':<28} {'detected':>10} {'reported':>10}")
+    for name, scenario, detected, reported in _detection():
+        print(f"{name:<28} {scenario:<28} {detected * 1000:>8.1f}ms {reported * 1000:>8.1f}ms")
+
+
+if __name__ == "__main__":
+    main()
