@@ -1,11 +1,12 @@
 """The channel between the controller and the ranks: ``(name, kwargs)`` messages of plain data.
 
 Controller -> rank:
-    run   scenario (dict), target (spec str), seq (int)     run one scenario
+    run   scenario (dict), target (spec str), seq (int), trace_calls (bool)   run one scenario
     stop                                                   leave the loop and exit
 Rank -> controller (the controller adds who sent it on arrival):
     ready   pid, seconds                                   joined the world, waiting for work
-    result  seq, failures (list of dicts), max_error, seconds, target (dict)
+    result  seq, failures (list of dicts), max_error, seconds, target (dict), notes (peers'
+            stops), desync (groups may be out of step), calls (count), trace (call records)
     fatal   error (dict)                                   cannot go on; the rank exits
 """
 

@@ -73,6 +73,17 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         pass
 
 
+TRACE_CAP = 2000  # calls per rank and scenario sent back when the whole trace is asked for
+TRACE_TAIL = 12  # calls per rank sent back with a failure
+
+
+def _trace_payload(calls: Any, everything: bool, failed: bool) -> list[dict[str, Any]]:
+    if calls is None or not (everything or failed):
+        return []
+    chosen = calls.calls[:TRACE_CAP] if everything else calls.calls[-TRACE_TAIL:]
+    return [c.to_dict() for c in chosen]
+
+
 def _die_with_parent() -> None:
     """Ask Linux to kill this rank if the controller dies, so no rank outlives a killed run."""
     try:
@@ -97,7 +108,7 @@ class _Runner:
             self._targets[spec] = resolve(spec)
         return self._targets[spec]
 
-    def run(self, scenario: dict[str, Any], target: str, seq: int) -> dict[str, Any]:
+    def run(self, scenario: dict[str, Any], target: str, seq: int, trace_calls: bool = False) -> dict[str, Any]:
         from shardcheck.harness import protocol, trace
         from shardcheck.harness.lockstep import CollectiveMismatch, LockstepTimeout, PeerStopped
         from shardcheck.harness.verdict import COLLECTIVE_MISMATCH, RANK_ERROR, Failure
@@ -148,6 +159,8 @@ class _Runner:
             "notes": notes,
             "desync": desync,
             "calls": len(calls.calls) if calls is not None else 0,
+            # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
+            "trace": _trace_payload(calls, trace_calls, bool(failures or notes)),
         }
 
     def _stop(self, reason: str) -> None:

@@ -43,12 +43,14 @@ def run(
     nproc: int | None = None,
     timeout: float = 60.0,
     lockstep: bool = True,
+    trace: bool = False,
     world: World | None = None,
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
 
     Data-parallel replicas (when tp * cp < world size) run the same scenario, and each is
-    checked: replicas that disagree are a finding too.
+    checked: replicas that disagree are a finding too. ``trace`` puts every rank's collective
+    calls in each verdict (a failing one always carries the calls leading up to it).
     """
     target: Target = resolve(target_spec)
     t0 = time.perf_counter()
@@ -76,7 +78,7 @@ def run(
         # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
         for sc in sorted(runnable, key=lambda s: (s.tp, s.cp)):
             started = time.perf_counter()
-            results = world.run(sc.to_dict(), target_spec)
+            results = world.run(sc.to_dict(), target_spec, trace=trace)
             verdict = merge(sc, results, time.perf_counter() - started)
             if results and results[0].get("target"):
                 info["target"] = results[0]["target"]

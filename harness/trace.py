@@ -48,7 +48,7 @@ _OPS: dict[str, tuple[int | None, int | None]] = {
     "recv_": (0, 2),
     "recv_any_source_": (0, None),
 }
-POINT_TO_POINT = frozenset({"send", "recv_", "recv_any_source_"})
+POINT_TO_POINT = frozenset({"send", "recv", "recv_any_source"})  # public op names
 _PUBLIC_NAMES = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "broadcast_": "broadcast",
     "reduce_": "reduce", "allgather_": "all_gather", "_allgather_base_": "all_gather_into_tensor",
@@ -62,9 +62,14 @@ _PUBLIC_NAMES = {
 
 STACK_DEPTH = 3  # frames of the call stack every member of a group must share
 STACK_SHOWN = 3
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+# frames that are never the code under test: torch, the harness, the standard library, and
+# decorators that wrap torch's API (deprecation shims)
+_SKIPPED = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    sysconfig.get_paths()["stdlib"] + os.sep,
+    os.path.join(sysconfig.get_paths()["purelib"], "typing_extensions.py"),
+)
 
 
 @dataclass
@@ -206,6 +211,7 @@ def _record(name: str, args: tuple, trace: Trace) -> Call | None:
     all_tensors = _tensors(args)
     red = next((a for a in args if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type())), None)
     stack = call_stack()
+    phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
     call = Call(
         op=_PUBLIC_NAMES[name],
         group=group,
@@ -215,8 +221,8 @@ def _record(name: str, args: tuple, trace: Trace) -> Call | None:
         dtype=str(all_tensors[0].dtype).replace("torch.", "") if all_tensors else None,
         reduce_op=_reduce_name(red) if red is not None else None,
         root=args[root_arg] if root_arg is not None and isinstance(args[root_arg], int) else None,
-        phase="backward" if torch._C._current_autograd_node() is not None else "forward",
-        site=stack[0] if stack else "?",
+        phase=phase,
+        site=stack[0] if stack else ("(autograd engine)" if phase == "backward" else "(no Python caller)"),
         stack=stack,
     )
     trace.calls.append(call)
@@ -256,7 +262,7 @@ def call_stack(depth: int = STACK_DEPTH) -> list[str]:
     frame = sys._getframe(2)
     while frame is not None and len(out) < depth:
         path = frame.f_code.co_filename
-        if not (path.startswith((_TORCH_DIR, _HARNESS_DIR, _STDLIB_DIR)) or path.startswith("<")):
+        if not (path.startswith(_SKIPPED) or path.startswith("<")):
             out.append(f"{_short(path)}:{frame.f_lineno}")
         frame = frame.f_back
     return out

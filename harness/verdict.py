@@ -62,6 +62,7 @@ class Verdict:
     reason: str | None = None  # why skipped
     seconds: float = 0.0
     max_error: dict[str, float] = _field(default_factory=dict)  # field -> max |got - want|
+    traces: dict[int, list[dict[str, Any]]] = _field(default_factory=dict)  # rank -> collective calls
 
     @property
     def kinds(self) -> list[str]:
@@ -90,6 +91,7 @@ class Verdict:
             "max_error": self.max_error,
             "failures": [f.to_dict() for f in self.failures],
             "scenario": sc.to_dict(),
+            **({"traces": {str(r): t for r, t in self.traces.items()}} if self.traces else {}),
         }
 
 
@@ -129,7 +131,8 @@ def merge(scenario: Scenario, results: list[dict[str, Any]], seconds: float) -> 
     for res in results:
         for k, v in res["max_error"].items():
             worst[k] = max(worst.get(k, 0.0), v)
-    return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst)
+    traces = {r: res["trace"] for r, res in enumerate(results) if res.get("trace")}
+    return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst, traces)
 
 
 def _order(f: Failure) -> tuple:

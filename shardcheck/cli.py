@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a scenario may take before its ranks are declared hung (default: 60)")
     r.add_argument("--no-lockstep", action="store_true",
                    help="trace collectives without the lockstep check; a hang then lasts until --timeout")
+    r.add_argument("--trace", action="store_true",
+                   help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     sub.add_parser("suites", help="list the named suites")
     sub.add_parser("targets", help="list the registered targets")
@@ -98,7 +100,8 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
     result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
-                        nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep)
+                        nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
+                        trace=args.trace)
     return result.exit_code
 
 

@@ -152,3 +152,50 @@ class DieOnCpRank1(BuiltinTarget):
 
             os._exit(3)
         return super().compute(inputs)
+
+
+class AllRoutes(BuiltinTarget):
+    """builtin, plus the same set of collectives on every rank through every route the trace must
+    see (forward and backward), all over the TP group; the outputs are unchanged."""
+
+    name = "plants:AllRoutes"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import threading
+
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as fc
+        import torch.distributed.nn.functional as dnn
+        from megatron.core.tensor_parallel import mappings
+
+        g, n, me = inputs.tp_group, inputs.tp_size, inputs.tp_rank
+        ranks = dist.get_process_group_ranks(g)
+        t = torch.ones(4)
+        dist.all_reduce(t, group=g)
+        dist.all_reduce(t, group=g, async_op=True).wait()
+        dist.all_gather([torch.empty(4) for _ in range(n)], t, group=g)
+        dist.all_gather_into_tensor(torch.empty(4 * n), t, group=g)
+        dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4 * n), group=g)
+        dist.broadcast(t, src=ranks[0], group=g)
+        dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n), group=g)
+        dist.barrier(group=g)
+        if n > 1:  # point-to-point: rank 0 and 1 of the group exchange
+            if me == 0:
+                dist.send(torch.ones(2), dst=ranks[1], group=g)
+            elif me == 1:
+                dist.recv(torch.empty(2), src=ranks[0], group=g)
+        fc.wait_tensor(fc.all_reduce(torch.ones(3), "sum", g))
+        fc.wait_tensor(fc.all_gather_tensor(torch.ones(3), 0, g))
+        fc.wait_tensor(fc.reduce_scatter_tensor(torch.ones(3 * n), "sum", 0, g))
+        worker = threading.Thread(target=dist.all_reduce, args=(torch.ones(5),), kwargs={"group": g})
+        worker.start()
+        worker.join()
+        # Differentiable routes, joined into the outputs with weight zero so their backward runs.
+        x = inputs.logits.sum() * 0 + torch.ones(4)
+        y = dnn.all_reduce(x, group=g).sum()  # (dnn.all_gather's backward assumes the world group)
+        y = y + fc.wait_tensor(fc.all_gather_tensor_autograd(x, 0, g)).sum()
+        y = y + mappings.reduce_from_tensor_model_parallel_region(x).sum()
+        y = y + mappings.copy_to_tensor_model_parallel_region(x).sum()
+        out = super().compute(inputs)
+        out.log_probs[0] = out.log_probs[0] + 0 * y
+        return out

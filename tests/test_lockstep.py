@@ -108,3 +108,32 @@ def test_a_rank_that_dies_is_named_and_the_world_restarts(world):
     assert "was waiting in all_reduce" in messages, messages
     [after] = _run(world, "builtin", [sc]).verdicts
     assert after.status == "pass" and len(world.startup_seconds) == starts + 1
+
+
+def test_the_trace_sees_every_route_in_forward_and_backward(world):
+    """Every route reaches the one interception point, with the right op, group and phase; and the
+    lockstep check passes them all (no false positive on uneven or point-to-point calls)."""
+    result = runner.run([TP2], "plants:AllRoutes", reporter=_Collect(), world=world, trace=True)
+    [v] = result.verdicts
+    assert v.status == "pass", v.headline()
+    calls = v.traces[0]
+    seen = {(c["op"], c["phase"]) for c in calls if c["ranks"] == [0, 1]}
+    for op in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "all_to_all_single", "barrier", "send"):
+        assert (op, "forward") in seen, (op, sorted(seen))
+    assert ("recv", "forward") in {(c["op"], c["phase"]) for c in v.traces[1]}
+    # functional collectives arrive as the coalesced ops
+    assert ("all_gather_into_tensor_coalesced", "forward") in seen
+    assert ("reduce_scatter_tensor_coalesced", "forward") in seen
+    # backward: dist.nn's all_reduce, the autograd functional all-gather (a reduce-scatter), and
+    # megatron's copy_to_tensor_model_parallel_region (an all-reduce)
+    backward = [c for c in calls if c["phase"] == "backward"]
+    assert {c["op"] for c in backward} >= {"all_reduce", "reduce_scatter_tensor_coalesced"}, backward
+    assert len(backward) >= 3
+    sites = {c["site"].split(":")[0] for c in calls}
+    assert any(s.endswith("tests/plants.py") for s in sites), sites
+    assert "megatron/core/tensor_parallel/mappings.py" in sites, sites
+    assert not any("typing_extensions" in s for s in sites), sites  # a deprecation shim is no call site
+    one = next(c for c in calls if c["op"] == "all_reduce" and c["phase"] == "forward")
+    assert one["reduce_op"] == "SUM" and one["dtype"] == "float32" and one["shapes"] == [[4]]
+    assert [c["number"] for c in calls if c["group"] == one["group"]][:3] == [0, 1, 2]
