@@ -204,6 +204,7 @@ class _Runner:
             tp_size=sc.tp,
             cp_rank=groups.cp_rank(),
             cp_size=sc.cp,
+            rank_layout=layout,
         )
         outputs = target.compute(inputs)
         entropy = outputs.entropy if sc.with_entropy else None

@@ -102,3 +102,27 @@ def share_weights(data: ScenarioData, layout: RankLayout) -> list[tuple[torch.Te
         idx = torch.tensor(js, dtype=torch.int64)
         out.append((w_lp[idx], w_ent[idx]))
     return out
+
+
+def local_row_targets(layout: RankLayout, tokens: list[torch.Tensor]) -> torch.Tensor:
+    """The token every local row predicts (0 where it predicts none: last, padding rows)."""
+    samples = layout.scenario.samples
+    out = torch.zeros(layout.num_rows, dtype=torch.int64)
+    for row, (stream, pos) in enumerate(layout.row_positions()):
+        if stream < len(samples) and pos + 1 < samples[stream].total:
+            out[row] = tokens[stream][pos + 1]
+    return out
+
+
+def local_share_rows(layout: RankLayout) -> list[torch.Tensor] | None:
+    """Per sample, the local rows scoring the rank's share, in output order; None when some share
+    row is held by another rank (all-gather CP: the values must be redistributed)."""
+    where = {rp: row for row, rp in enumerate(layout.row_positions())}
+    out = []
+    for i, js in enumerate(layout.share):
+        first = layout.scenario.samples[i].prompt - 1
+        rows = [where.get((i, first + j)) for j in js]
+        if any(r is None for r in rows):
+            return None
+        out.append(torch.tensor(rows, dtype=torch.int64))
+    return out

@@ -13,6 +13,8 @@ A few more try half precision and larger vocabularies.
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardcheck.scenarios.scenario import Sample, Scenario
 from shardcheck.scenarios.suites import suite
 
@@ -62,6 +64,15 @@ def _extras() -> list[Scenario]:
         Scenario("allgather-tp1cp4-wide", _samples((70, 50), (9, 2), (25, 1)), vocab=1024, cp=4,
                  layout="allgather", entropy_coef=0.02, log_probs_chunk_size=16, seed=104,
                  description="larger vocabulary, responses across all-gather pieces"),
+    ]
+
+
+@suite
+def logprob() -> list[Scenario]:
+    """the smoke grid without entropy (for log-prob-only targets such as megatron)"""
+    return [
+        dataclasses.replace(sc, name=f"{sc.name}-logprob", with_entropy=False, entropy_coef=0.0)
+        for sc in smoke()
     ]
 
 

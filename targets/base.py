@@ -18,17 +18,23 @@ from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What a target supports; ``reasons`` says why not ("entropy", "layout", "dtype" keys)."""
+
     layouts: frozenset[str] = frozenset(LAYOUTS)
     entropy: bool = True
     dtypes: frozenset[str] = frozenset(DTYPES)
+    reasons: tuple[tuple[str, str], ...] = ()
 
     def skip_reason(self, scenario: Scenario) -> str | None:
+        why = dict(self.reasons)
         if scenario.layout not in self.layouts:
-            return f"layout {scenario.layout} not supported (supports {', '.join(sorted(self.layouts))})"
+            return why.get("layout") or (
+                f"layout {scenario.layout} not supported (supports {', '.join(sorted(self.layouts))})")
         if scenario.with_entropy and not self.entropy:
-            return "entropy not supported"
+            return why.get("entropy") or "entropy not supported"
         if scenario.dtype not in self.dtypes:
-            return f"dtype {scenario.dtype} not supported (supports {', '.join(sorted(self.dtypes))})"
+            return why.get("dtype") or (
+                f"dtype {scenario.dtype} not supported (supports {', '.join(sorted(self.dtypes))})")
         return None
 
 
@@ -56,6 +62,9 @@ class RankInputs:
     tp_size: int
     cp_rank: int
     cp_size: int
+    # The harness's own layout for this rank (shardcheck.harness.layout.RankLayout). Adapters of
+    # code that does only part of the job may use it; an implementation under test must not.
+    rank_layout: Any = None
 
     @property
     def allgather_cp(self) -> bool:

@@ -1,0 +1,67 @@
+"""Targets other than builtin: megatron-core's cross entropy, and a third-party plugin installed
+into this environment through the ``shardcheck.targets`` entry-point group."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, write_scenarios
+from shardcheck.scenarios import Sample, Scenario
+
+pytestmark = pytest.mark.world
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "naive_target"
+
+
+def _scenarios(layouts, with_entropy=True):
+    out = []
+    for layout, tp, cp in layouts:
+        out.append(Scenario(f"{layout}-tp{tp}cp{cp}", (Sample(13, 5), Sample(9, 1), Sample(21, 12)), vocab=24,
+                            tp=tp, cp=cp, layout=layout, with_entropy=with_entropy,
+                            entropy_coef=0.1 if with_entropy else 0.0, temperature=0.7, seed=9))
+    return out
+
+
+def test_megatron_cross_entropy_passes_and_states_what_it_cannot_do(tmp_path):
+    scenarios = _scenarios([("thd", 2, 1), ("bshd", 2, 1), ("zigzag", 2, 2), ("allgather", 2, 2)], False)
+    scenarios.append(Scenario("with-entropy", (Sample(9, 4),), vocab=8, tp=2, seed=1))
+    f = write_scenarios(tmp_path / "s.json", scenarios)
+    report = tmp_path / "r.json"
+    proc = run_cli("run", "--target", "megatron", "--scenario-file", str(f), "--json-report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(report.read_text())
+    by = {v["name"]: v for v in doc["scenarios"]}
+    assert [by[n]["verdict"] for n in ("thd-tp2cp1", "bshd-tp2cp1", "zigzag-tp2cp2")] == ["pass"] * 3
+    assert by["with-entropy"]["verdict"] == "skip" and "computes no entropy" in by["with-entropy"]["reason"]
+    assert by["allgather-tp2cp2"]["verdict"] == "skip"
+    assert doc["target"]["name"] == "megatron" and doc["target"]["version"]
+
+
+@pytest.fixture
+def installed_plugin(tmp_path):
+    src = tmp_path / "naive_target"
+    shutil.copytree(EXAMPLE, src)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    proc = subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", str(src)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    try:
+        yield
+    finally:
+        subprocess.run(pip + ["uninstall", "-y", "shardcheck-naive-target"], capture_output=True, timeout=300)
+
+
+def test_a_third_party_target_installed_as_a_plugin_runs(tmp_path, installed_plugin):
+    listing = run_cli("targets")
+    assert any(ln.startswith("naive ") for ln in listing.stdout.splitlines()), listing.stdout
+    scenarios = _scenarios([("thd", 2, 1), ("thd", 1, 1), ("zigzag", 1, 2)])
+    f = write_scenarios(tmp_path / "s.json", scenarios)
+    report = tmp_path / "r.json"
+    proc = run_cli("run", "--target", "naive", "--scenario-file", str(f), "--json-report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by = {v["name"]: v for v in json.loads(report.read_text())["scenarios"]}
+    assert by["thd-tp2cp1"]["verdict"] == "pass" and by["thd-tp1cp1"]["verdict"] == "pass"
+    assert by["zigzag-tp1cp2"]["verdict"] == "skip" and "layout zigzag not supported" in by["zigzag-tp1cp2"]["reason"]
