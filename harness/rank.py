@@ -21,6 +21,8 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    # torch's deprecation notices about the API a target calls are the target's business
+    warnings.filterwarnings("ignore", category=FutureWarning)
     # On a timeout the controller asks where every rank stands before it ends them.
     dump = open(options["traceback_file"], "w")  # noqa: SIM115 (lives as long as the process)
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)

@@ -121,6 +121,7 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
     c = _counts(verdicts)
     start = info.get("startup_seconds") or []
     lines.append("")
+    lines.append(_target_line(info.get("target") or {}))
     lines.append(
         f"{c['total']} scenarios: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped "
         f"in {info.get('wall_seconds', 0):.1f}s"
@@ -128,6 +129,20 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
            f"{info.get('ranks')} ranks)" if start else "")
     )
     return "\n".join(lines)
+
+
+def _target_line(target: dict[str, Any]) -> str:
+    line = f"target: {target.get('name', '?')} {target.get('version', '')}".rstrip()
+    era = target.get("era")
+    if era:
+        line += (f" (era: returns {era.get('returns')}, allgather_cp {'yes' if era.get('allgather_cp') else 'no'}, "
+                 f"qkv_format/bshd {'yes' if era.get('qkv_format') else 'no'}, top-p replay "
+                 f"{'yes' if era.get('top_p_replay') else 'no'}, entropy-grad flag {era.get('entropy_grad_flag')})")
+    if target.get("stubbed_modules"):
+        line += f"; stubbed (missing, unused here): {', '.join(target['stubbed_modules'])}"
+    if target.get("args_read_but_not_set"):
+        line += f"; args read but not set: {', '.join(target['args_read_but_not_set'])}"
+    return line
 
 
 def _ranks(ranks: list[int]) -> str:

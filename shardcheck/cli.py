@@ -7,6 +7,7 @@ configuration (one line on stderr naming the problem), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a scenario may take before its ranks are declared hung (default: 60)")
+    r.add_argument("--slime-src", metavar="DIR",
+                   help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
     r.add_argument("--no-lockstep", action="store_true",
                    help="trace collectives without the lockstep check; a hang then lasts until --timeout")
     r.add_argument("--trace", action="store_true",
@@ -92,6 +95,10 @@ def _run(args: argparse.Namespace) -> int:
         raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
     if not args.timeout > 0:
         raise BadInput(f"--timeout must be > 0, got {args.timeout}")
+    if args.slime_src:
+        from shardcheck.targets.slime import ENV, slime_source
+
+        os.environ[ENV] = str(slime_source(args.slime_src))  # the ranks inherit it
     scenarios = _select(args)
     json_report = None
     if args.json_report:

@@ -1,0 +1,206 @@
+"""THUDM/slime's real ``get_log_probs_and_entropy``, imported from a source checkout.
+
+slime is not on PyPI (the PyPI package called ``slime`` is another project): the user names a
+checkout with ``--slime-src DIR`` or ``SHARDCHECK_SLIME_SRC``. Its files are never written (no
+bytecode is cached there). Modules slime imports at module level but does not use on this path
+(``httpx`` at the newest commits, ``ray`` at older ones) are stubbed only when missing, and the
+report says which. torch.compile'd helpers run eagerly (dynamo disabled): compiling them costs
+7 to 30 s per process on 2 cores and is not what is checked.
+
+The signature changed over slime's history; the adapter reads it (and the source) and says which
+era it found: the return (a dict, later ``(empty, dict)``), ``qkv_format``/``max_seq_lens`` and
+bshd, ``allgather_cp``, top-p replay arguments, ``with_entropy_grad``/``need_entropy_grad``.
+Every ``args`` field slime reads is set from the scenario; a field slime asks for that the
+adapter did not set is reported (slime defaults ``entropy_coef`` to 0 when it is missing, which
+silently drops the entropy gradient).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+import types
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs
+
+ENV = "SHARDCHECK_SLIME_SRC"
+LOSS_MODULE = "slime.backends.megatron_utils.loss"
+LOSS_FILE = Path("slime/backends/megatron_utils/loss.py")
+STUBBABLE = ("httpx", "ray", "sglang", "wandb", "tensorboard", "transformers", "datasets", "deep_ep")
+
+
+def slime_source(src: str | None = None) -> Path:
+    """The checkout to import slime from; BadInput naming the problem if it is not usable."""
+    value = src or os.environ.get(ENV)
+    if not value:
+        raise BadInput(f"the slime target needs a slime source checkout: give --slime-src DIR or set {ENV}")
+    path = Path(value).expanduser().resolve()
+    if not (path / LOSS_FILE).is_file():
+        raise BadInput(f"{str(path)!r} is not a slime checkout (no {LOSS_FILE})")
+    return path
+
+
+def detect_era(src: Path) -> dict[str, Any]:
+    """What this checkout's get_log_probs_and_entropy takes and returns, read from its source."""
+    text = (src / LOSS_FILE).read_text()
+    tree = ast.parse(text)
+    fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_log_probs_and_entropy"),
+              None)
+    if fn is None:
+        raise BadInput(f"{src / LOSS_FILE} has no get_log_probs_and_entropy")
+    params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+    returns_tuple = any(isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple) for n in ast.walk(fn))
+    ppo = src / "slime/utils/ppo_utils.py"
+    ppo_text = ppo.read_text() if ppo.is_file() else ""
+    return {
+        "params": params,
+        "returns": "tuple (empty, dict)" if returns_tuple else "dict",
+        "qkv_format": "qkv_format" in text,
+        "max_seq_lens": "max_seq_lens" in params,
+        "allgather_cp": "allgather_cp" in text,
+        "top_p_replay": "top_p_token_ids" in params,
+        "entropy_grad_flag": next((f for f in ("with_entropy_grad", "need_entropy_grad") if f in text + ppo_text),
+                                  None),
+    }
+
+
+def _commit(src: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class _Stub(types.ModuleType):
+    """A module slime imports but does not use on the log-prob path. Anything taken from it is
+    another stub; calling one yields a stub, so import-time decorators and annotations work."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self.__name__}.{attr}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _Stub(f"{self.__name__}()")
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+    def __or__(self, other: Any) -> Any:
+        return self
+
+    __ror__ = __or__
+
+    def __getitem__(self, item: Any) -> Any:
+        return self
+
+
+def import_slime(src: Path) -> tuple[types.ModuleType, list[str]]:
+    """Import slime's loss module from ``src``; stub missing modules it does not need here."""
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    sys.dont_write_bytecode = True  # never write into the user's checkout
+    if str(src) not in sys.path:
+        sys.path.insert(0, str(src))
+    stubs: list[str] = []
+    for _ in range(len(STUBBABLE) + 1):
+        try:
+            return importlib.import_module(LOSS_MODULE), stubs
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "").split(".")[0]
+            if missing not in STUBBABLE or missing in stubs:
+                raise BadInput(f"slime at {src} cannot be imported: {exc}") from None
+            for name in [m for m in sys.modules if m == "slime" or m.startswith("slime.")]:
+                del sys.modules[name]
+            sys.modules[missing] = _Stub(missing)
+            stubs.append(missing)
+    raise BadInput(f"slime at {src} cannot be imported")
+
+
+class _Args(Namespace):
+    """slime's ``args``: the fields set from the scenario; a read of any other is recorded."""
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            self.__dict__.setdefault("_missing", set()).add(name)
+        raise AttributeError(name)
+
+
+class SlimeTarget:
+    """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src / SHARDCHECK_SLIME_SRC)"""
+
+    name = "slime"
+
+    def __init__(self) -> None:
+        self.src = slime_source()
+        self.era = detect_era(self.src)
+        self.commit = _commit(self.src)
+        layouts = {"thd", "zigzag"} | ({"allgather"} if self.era["allgather_cp"] else set()) | (
+            {"bshd"} if self.era["qkv_format"] else set())
+        self.capabilities = Capabilities(
+            layouts=frozenset(layouts), entropy=True, dtypes=frozenset({"float32"}),
+            reasons=(("layout", f"slime at {(self.commit or '?')[:10]} has no such layout "
+                                f"(supports {', '.join(sorted(layouts))})"),
+                     ("dtype", "slime asserts float32 logits")),
+        )
+        self._fn: Any = None
+        self.stubs: list[str] = []
+        self.missing_args: set[str] = set()
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "version": (self.commit or "unknown")[:12], "commit": self.commit,
+                "src": str(self.src), "era": self.era, "stubbed_modules": self.stubs,
+                "args_read_but_not_set": sorted(self.missing_args)}
+
+    def _function(self) -> Any:
+        if self._fn is None:
+            module, self.stubs = import_slime(self.src)
+            self._fn = module.get_log_probs_and_entropy
+            self._params = set(inspect.signature(self._fn).parameters)
+        return self._fn
+
+    def args(self, inputs: RankInputs) -> _Args:
+        return _Args(
+            rollout_temperature=inputs.temperature,
+            log_probs_chunk_size=inputs.chunk_size,
+            allgather_cp=inputs.allgather_cp,
+            entropy_coef=inputs.entropy_coef,
+            qkv_format=inputs.qkv_format,
+            rollout_top_p=1.0,
+            context_parallel_size=inputs.cp_size,
+            tensor_model_parallel_size=inputs.tp_size,
+        )
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        fn = self._function()
+        args = self.args(inputs)
+        kwargs: dict[str, Any] = {
+            "args": args,
+            "unconcat_tokens": [t.to(inputs.logits.device) for t in inputs.tokens],
+            "total_lengths": inputs.total_lengths,
+            "response_lengths": inputs.response_lengths,
+            "with_entropy": inputs.with_entropy,
+        }
+        if "max_seq_lens" in self._params:
+            kwargs["max_seq_lens"] = inputs.max_seq_lens
+        result = fn(inputs.logits, **kwargs)
+        if isinstance(result, tuple):
+            result = result[-1]
+        self.missing_args |= args.__dict__.get("_missing", set())
+        return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
