@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", action="store_true",
                    help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    b = sub.add_parser("bisect", help="find the first slime commit where a suite's verdict changes")
+    b.add_argument("--target", default="slime", help="a target that reads SHARDCHECK_SLIME_SRC (default: slime)")
+    b.add_argument("--slime-repo", required=True, metavar="GIT_DIR", help="a slime git repository (only read)")
+    b.add_argument("--good", required=True, metavar="REV", help="the older commit")
+    b.add_argument("--bad", required=True, metavar="REV", help="the newer commit")
+    b.add_argument("--suite", default="regressions", help="the suite to run at each commit (default: regressions)")
+    b.add_argument("--scenario", action="append", default=[], metavar="NAME", help="only these scenarios")
+    b.add_argument("--timeout", type=float, default=60.0, help="seconds a scenario may take (default: 60)")
     sub.add_parser("suites", help="list the named suites")
     sub.add_parser("targets", help="list the registered targets")
     return p
@@ -53,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "run":
             return _run(args)
+        if args.command == "bisect":
+            return _bisect(args)
         if args.command == "suites":
             return _suites()
         if args.command == "targets":
@@ -110,6 +121,39 @@ def _run(args: argparse.Namespace) -> int:
                         nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
                         trace=args.trace)
     return result.exit_code
+
+
+def _bisect(args: argparse.Namespace) -> int:
+    from shardcheck.harness.bisect import bisect
+    from shardcheck.harness.report import TerminalReport, render_table
+
+    args.scenario_file = None
+    scenarios = _select(args)
+
+    def progress(step) -> None:
+        if step.signature is None:
+            state = f"skipped ({step.why_skipped[:120]})"
+        else:
+            failed = sum(v.status == "fail" for v in step.verdicts)
+            state = f"{failed} of {len(step.verdicts)} scenarios failed"
+        print(f"shardcheck bisect: {step.commit[:12]} {state}", file=sys.stderr, flush=True)
+
+    result = bisect(args.slime_repo, args.good, args.bad, scenarios, args.target, timeout=args.timeout,
+                    reporter_factory=lambda: TerminalReport(quiet=True, out=open(os.devnull, "w")),
+                    progress=progress)
+    if result.first_changed is None:
+        print(f"the verdict is the same at {result.old.commit[:12]} and {result.new.commit[:12]}: nothing to find")
+        return EXIT_OK
+    step = result.first_changed
+    subject = subprocess.run(["git", "-C", args.slime_repo, "log", "-1", "--format=%h %s", step.commit],
+                             capture_output=True, text=True).stdout.strip()
+    print(f"first commit where the verdict changes: {step.commit}\n  {subject}")
+    skipped = [s.commit[:12] for s in result.steps if s.signature is None]
+    if skipped:
+        print(f"  (skipped, could not be imported: {', '.join(skipped)})")
+    print()
+    print(render_table(step.verdicts, step.info))
+    return EXIT_OK
 
 
 def _suites() -> int:

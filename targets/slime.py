@@ -51,7 +51,10 @@ def slime_source(src: str | None = None) -> Path:
 def detect_era(src: Path) -> dict[str, Any]:
     """What this checkout's get_log_probs_and_entropy takes and returns, read from its source."""
     text = (src / LOSS_FILE).read_text()
-    tree = ast.parse(text)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as exc:
+        raise BadInput(f"slime at {src} cannot be imported: {LOSS_FILE} line {exc.lineno}: {exc.msg}") from None
     fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_log_probs_and_entropy"),
               None)
     if fn is None:
@@ -130,6 +133,8 @@ def import_slime(src: Path) -> tuple[types.ModuleType, list[str]]:
                 del sys.modules[name]
             sys.modules[missing] = _Stub(missing)
             stubs.append(missing)
+        except Exception as exc:  # a broken commit: reported as such (bisect skips it)
+            raise BadInput(f"slime at {src} cannot be imported: {type(exc).__name__}: {exc}") from None
     raise BadInput(f"slime at {src} cannot be imported")
 
 
@@ -150,7 +155,7 @@ class SlimeTarget:
     def __init__(self) -> None:
         self.src = slime_source()
         self.era = detect_era(self.src)
-        self.commit = _commit(self.src)
+        self.commit = os.environ.get("SHARDCHECK_SLIME_COMMIT") or _commit(self.src)
         layouts = {"thd", "zigzag"} | ({"allgather"} if self.era["allgather_cp"] else set()) | (
             {"bshd"} if self.era["qkv_format"] else set())
         self.capabilities = Capabilities(
