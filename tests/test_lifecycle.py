@@ -1,0 +1,67 @@
+"""A run that is killed keeps what it found and leaves no process behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TESTS
+
+pytestmark = pytest.mark.world
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
+    report = tmp_path / "r.json"
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    proc = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "--suite", "smoke", "-q",
+                             "--json-report", str(report)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if report.exists() and len(json.loads(report.read_text()).get("scenarios", [])) >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no results within 180 s")
+        ranks = _children(proc.pid)
+        assert len(ranks) >= 4
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        deadline = time.time() + 15
+        while time.time() < deadline and any(_alive(p) for p in ranks):
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in ranks), "rank processes outlived the controller"
+        doc = json.loads(report.read_text())
+        assert len(doc["scenarios"]) >= 3 and doc["complete"] is False
+        assert all(v["verdict"] == "pass" for v in doc["scenarios"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
