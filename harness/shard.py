@@ -54,14 +54,14 @@ def row_targets_and_weights(
     targets = torch.zeros(n, dtype=torch.int64)
     w_lp = torch.zeros(n, dtype=torch.float32)
     w_ent = torch.zeros(n, dtype=torch.float32)
-    weights = {}
+    weights, tokens = {}, {}
     for row, (stream, pos) in enumerate(layout.row_positions()):
         j = layout.scored_token(stream, pos)
         if j is None:
             continue
-        if stream not in weights:
-            weights[stream] = data.loss_weights(stream)
-        targets[row] = data.tokens(stream)[pos + 1]
+        if stream not in weights:  # once per sample, not per row
+            weights[stream], tokens[stream] = data.loss_weights(stream), data.tokens(stream)
+        targets[row] = tokens[stream][pos + 1]
         w_lp[row] = weights[stream][0][j]
         w_ent[row] = weights[stream][1][j]
     return targets, w_lp, w_ent
