@@ -49,12 +49,6 @@ def configure(tp: int, cp: int) -> None:
     _config = (tp, cp)
 
 
-def reset() -> None:
-    """Forget the current layout (after a failure the groups may be out of step)."""
-    global _config
-    _config = None
-
-
 def _ps() -> Any:
     if _config is None:
         raise RuntimeError("process groups are not configured: call groups.configure(tp, cp) first")

@@ -199,10 +199,15 @@ class Lockstep:
         fps = [s for s in sides.values() if "phase" in s]
         differ = [k for k in ("op", "reduce_op", "dtype", "shapes", "root", "phase", "stack")
                   if len({json.dumps(fp.get(k)) for fp in fps}) > 1]
+        message = f"{self._where(call)}: " + "; ".join(parts) + (
+            f" (they differ in {', '.join(differ)})" if differ else "")
+        return self._mismatch(call, message, "/".join(phases), sides, t_call)
+
+    def _mismatch(self, call: Call, message: str, phase: str, sides: dict[int, Any], t_call: float) -> dict[str, Any]:
+        """A collective mismatch report: the divergent call, each side, and what led up to it."""
         return {
-            "message": f"{self._where(call)}: " + "; ".join(parts)
-                       + (f" (they differ in {', '.join(differ)})" if differ else ""),
-            "phase": "/".join(phases),
+            "message": message,
+            "phase": phase,
             "group": call.group, "group_ranks": call.ranks, "label": self.label(call.group), "call": call.number,
             "sides": {str(r): s for r, s in sides.items()},
             "last_matched": [c.describe() for c in self.matched[call.group]],
@@ -224,16 +229,8 @@ class Lockstep:
                                            "number": call.number}}
         parts = [f"rank {r} waits in {everyone[r].get('label') or 'group'} call {everyone[r]['number']} "
                  f"{everyone[r]['call']}" for r in sorted(cycle)]
-        return {
-            "message": f"ranks {sorted(cycle)} wait for each other in different collectives: " + "; ".join(parts),
-            "phase": call.phase,
-            "group": call.group, "group_ranks": call.ranks, "label": self.label(call.group), "call": call.number,
-            "sides": {str(r): everyone[r] for r in cycle},
-            "last_matched": [c.describe() for c in self.matched[call.group]],
-            "scenario": self.scenario,
-            "detected_after_s": time.time() - t_call,
-            "divergent_call_at": t_call,
-        }
+        message = f"ranks {sorted(cycle)} wait for each other in different collectives: " + "; ".join(parts)
+        return self._mismatch(call, message, call.phase, {r: everyone[r] for r in cycle}, t_call)
 
 
 def _side(fp: dict[str, Any]) -> dict[str, Any]:

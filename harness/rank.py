@@ -141,16 +141,14 @@ class _Runner:
             raised = True
             # where: the innermost frame outside torch, i.e. the call site in the target
             err = protocol.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__),))
-            hung = isinstance(exc, LockstepTimeout)
-            msg = (f"rank {self.rank} hung: {exc}" if hung else
-                   f"rank {self.rank} raised {err['type']}: {err['message']}"
-                   + (f" at {err['where']}" if err["where"] else ""))
+            what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
+            msg = f"rank {self.rank} hung: {exc}" if isinstance(exc, LockstepTimeout) else f"rank {self.rank} {what}"
             failures = [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
-            self._stop(f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else ""))
+            self._stop(what)
         finally:
             calls = trace.stop()
         # Without lockstep a raise may leave peers mid-collective; with it, only a failure inside
-        # the backend can. Either way the groups are rebuilt and, if needed, the world restarted.
+        # the backend can. The controller then restarts the world before the next scenario.
         desync = trace.backend_failed() or (raised and lockstep is None)
         return {
             "seq": seq,

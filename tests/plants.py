@@ -38,17 +38,26 @@ class CorruptValue(BuiltinTarget):
         return out
 
 
-class _NudgeGrad(torch.autograd.Function):
+class _OnBackward(torch.autograd.Function):
+    """Identity in forward; in backward, ``hook(grad)`` gives the gradient passed on."""
+
     @staticmethod
-    def forward(ctx, logits, row, column):  # type: ignore[override]
-        ctx.row, ctx.column = row, column
+    def forward(ctx, logits, hook):  # type: ignore[override]
+        ctx.hook = hook
         return logits.clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        return ctx.hook(grad), None
+
+
+def _nudge(row: int, column: int):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
-        grad.view(-1, grad.size(-1))[ctx.row, ctx.column] += 0.25
-        return grad, None, None
+        grad.view(-1, grad.size(-1))[row, column] += 0.25
+        return grad
+
+    return hook
 
 
 class CorruptGrad(BuiltinTarget):
@@ -63,7 +72,7 @@ class CorruptGrad(BuiltinTarget):
         lo, hi = layout.columns
         rows = layout.row_positions()
         if want in rows and lo <= COLUMN < hi:
-            inputs.logits = _NudgeGrad.apply(inputs.logits, rows.index(want), COLUMN - lo)
+            inputs.logits = _OnBackward.apply(inputs.logits, _nudge(rows.index(want), COLUMN - lo))
         return super().compute(inputs)
 
 
@@ -100,18 +109,6 @@ def _extra_call(route: str, group) -> None:
         raise ValueError(route)
 
 
-class _ExtraInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, route, group):  # type: ignore[override]
-        ctx.route, ctx.group = route, group
-        return logits.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        _extra_call(ctx.route, ctx.group)
-        return grad, None, None
-
-
 class ExtraCall(BuiltinTarget):
     """builtin, plus one extra all-reduce over TP on TP rank 1 only, through one route"""
 
@@ -124,7 +121,13 @@ class ExtraCall(BuiltinTarget):
             if self.phase == "forward":
                 _extra_call(self.route, inputs.tp_group)
             else:
-                inputs.logits = _ExtraInBackward.apply(inputs.logits, self.route, inputs.tp_group)
+                route, group = self.route, inputs.tp_group
+
+                def hook(grad: torch.Tensor) -> torch.Tensor:
+                    _extra_call(route, group)
+                    return grad
+
+                inputs.logits = _OnBackward.apply(inputs.logits, hook)
         return super().compute(inputs)
 
 
