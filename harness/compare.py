@@ -23,7 +23,7 @@ import torch
 from shardcheck.harness import shard
 from shardcheck.harness.layout import RankLayout
 from shardcheck.harness.verdict import GRAD_MISMATCH, VALUE_MISMATCH, Failure
-from shardcheck.reference import logprob_entropy, loss_grad_chunks
+from shardcheck.reference import loss_grad_chunks
 from shardcheck.scenarios.data import ScenarioData
 
 MAX_LISTED = 5  # mismatched elements listed per field and rank; the rest are counted
@@ -75,11 +75,7 @@ def compare_outputs(
             structure_ok = False
     if not structure_ok:
         return failures, {}
-    ref_lp, ref_ent = logprob_entropy(
-        shard.PieceRows(data, shard.share_pieces(layout)),
-        shard.share_targets(data, layout),
-        temperature=sc.temperature,
-    )
+    ref_lp, ref_ent = shard.share_truth(data, layout)
     positions = shard.global_positions(layout)
     tol = TOLERANCES[sc.dtype]["values"]
     errors = {}
@@ -119,6 +115,34 @@ def _structure_problem(
         if out.numel() != len(js) or out.dim() != 1:
             return i, f"{name} of sample {i} has shape {tuple(out.shape)}, expected ({len(js)},)"
     return None
+
+
+def compare_loss(
+    layout: RankLayout, data: ScenarioData, loss: object, rank: int
+) -> tuple[list[Failure], dict[str, float]]:
+    """Check a target's own scalar loss on this rank against the loss of the truth on its share.
+
+    The tolerance scales with the total weight, since the loss sums one term per token.
+    """
+    sc = layout.scenario
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        return [Failure(VALUE_MISMATCH, f"loss is {shape}, expected a scalar tensor", [rank], field="loss")], {}
+    ref_lp, ref_ent = shard.share_truth(data, layout)
+    w_lp = torch.cat([w for w, _ in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
+    w_ent = torch.cat([w for _, w in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
+    w_ent = w_ent * sc.entropy_coef
+    # A policy loss at ratio exp(logp - old) = 1 has the gradient of w_lp * logp but the value w_lp.
+    lp_term = torch.ones_like(ref_lp) if data.loss == "policy" else ref_lp
+    want = float((w_lp * lp_term).sum() - (w_ent * ref_ent).sum())
+    got = float(loss.detach().double().cpu().reshape(()))
+    tol = TOLERANCES[sc.dtype]["values"]
+    scale = 1.0 + float(w_lp.abs().sum() + w_ent.abs().sum())
+    error = abs(got - want)
+    if not error <= tol.atol * scale + tol.rtol * abs(want):  # NaN fails
+        return [Failure(VALUE_MISMATCH, f"loss: got {got:.8g}, want {want:.8g}", [rank], field="loss",
+                        got=got, want=want)], {"loss": error}
+    return [], {"loss": error}
 
 
 def compare_grad(

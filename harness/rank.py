@@ -139,8 +139,11 @@ class _Runner:
             import torch
 
             raised = True
-            # where: the innermost frame outside torch, i.e. the call site in the target
-            err = protocol.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__),))
+            from shardcheck.targets import passthrough
+
+            # where: the innermost frame outside torch (and shardcheck's pass-through wrappers),
+            # i.e. the call site in the target
+            err = protocol.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
             what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
             msg = f"rank {self.rank} hung: {exc}" if isinstance(exc, LockstepTimeout) else f"rank {self.rank} {what}"
             failures = [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
@@ -174,18 +177,19 @@ class _Runner:
         import torch
 
         from shardcheck.harness import groups, shard
-        from shardcheck.harness.compare import compare_grad, compare_outputs
+        from shardcheck.harness.compare import compare_grad, compare_loss, compare_outputs
         from shardcheck.harness.layout import rank_layout
         from shardcheck.harness.loss import share_loss
         from shardcheck.scenarios import Scenario
         from shardcheck.scenarios.data import ScenarioData
-        from shardcheck.targets import RankInputs
+        from shardcheck.targets import RankInputs, loss_form
 
         sc = Scenario.from_dict(scenario_dict)
         target = self.target(spec)
         groups.configure(sc.tp, sc.cp)
         layout = rank_layout(sc, groups.tp_rank(), groups.cp_rank())
-        data = ScenarioData(sc)
+        form = loss_form(target)
+        data = ScenarioData(sc, loss=form)
         logits = shard.local_logits(data, layout).requires_grad_()
         inputs = RankInputs(
             logits=logits,
@@ -205,13 +209,22 @@ class _Runner:
             cp_rank=groups.cp_rank(),
             cp_size=sc.cp,
             rank_layout=layout,
+            policy=shard.policy_batch(data, layout) if form == "policy" else None,
         )
         outputs = target.compute(inputs)
         entropy = outputs.entropy if sc.with_entropy else None
         failures, errors = compare_outputs(layout, data, outputs.log_probs, entropy, self.rank)
-        # Differentiate whatever is well formed, so a malformed output on one rank does not
-        # leave its peers alone in a backward collective.
-        loss = share_loss(outputs.log_probs, entropy, shard.share_weights(data, layout), sc.entropy_coef)
+        if form == "policy":
+            loss = outputs.loss
+            loss_failures, loss_errors = compare_loss(layout, data, loss, self.rank)
+            failures, errors = failures + loss_failures, errors | loss_errors
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                loss = torch.zeros(())  # reported above; peers still run their backward
+            loss = loss.reshape(())
+        else:
+            # Differentiate whatever is well formed, so a malformed output on one rank does not
+            # leave its peers alone in a backward collective.
+            loss = share_loss(outputs.log_probs, entropy, shard.share_weights(data, layout), sc.entropy_coef)
         if loss.requires_grad:
             loss.backward()
         grad = logits.grad if logits.grad is not None else torch.zeros_like(logits)

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 import torch
 
 from shardcheck.harness.layout import Piece, RankLayout
+from shardcheck.reference import logprob_entropy
 from shardcheck.scenarios.data import ScenarioData
+from shardcheck.targets.base import PolicyBatch
 
 
 class PieceRows:
@@ -102,6 +104,22 @@ def share_weights(data: ScenarioData, layout: RankLayout) -> list[tuple[torch.Te
         idx = torch.tensor(js, dtype=torch.int64)
         out.append((w_lp[idx], w_ent[idx]))
     return out
+
+
+def share_truth(data: ScenarioData, layout: RankLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference (log-probs, entropy) of the rank's share, float64, concatenated over samples."""
+    return logprob_entropy(PieceRows(data, share_pieces(layout)), share_targets(data, layout),
+                           temperature=layout.scenario.temperature)
+
+
+def policy_batch(data: ScenarioData, layout: RankLayout) -> PolicyBatch:
+    """A policy loss's extra inputs for the rank: advantages and old log-probs of its share (the
+    truth, so the importance ratio is 1), and whole-response loss masks."""
+    truth, _ = share_truth(data, layout)
+    old = truth.float().split([len(js) for js in layout.share])
+    advantages = [data.advantages(i)[torch.tensor(js, dtype=torch.int64)] for i, js in enumerate(layout.share)]
+    masks = [data.loss_mask(i) for i in range(len(layout.share))]
+    return PolicyBatch(advantages=advantages, old_log_probs=list(old), loss_masks=masks)
 
 
 def local_row_targets(layout: RankLayout, tokens: list[torch.Tensor]) -> torch.Tensor:

@@ -27,7 +27,7 @@ class Failure:
     kind: str
     message: str
     ranks: list[int] = _field(default_factory=list)
-    field: str | None = None  # log_probs | entropy | grad
+    field: str | None = None  # log_probs | entropy | loss | grad
     phase: str | None = None  # forward | backward, for collective mismatches
     sample: int | None = None
     token: int | None = None

@@ -30,11 +30,23 @@ def _generator(*key: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-class ScenarioData:
-    """The inputs of one scenario; cheap to build, generates lazily."""
+LOSS_FORMS = ("weighted", "policy")
+MASKED_FRACTION = 0.15  # policy form: response tokens whose loss mask is 0
 
-    def __init__(self, scenario: Scenario) -> None:
+
+class ScenarioData:
+    """The inputs of one scenario; cheap to build, generates lazily.
+
+    ``loss`` is the form of the loss whose gradient is checked (see :meth:`loss_weights`):
+    "weighted" when the harness builds the loss from a target's outputs, "policy" when the
+    target computes a PPO policy loss itself from the advantages and loss masks given here.
+    """
+
+    def __init__(self, scenario: Scenario, loss: str = "weighted") -> None:
+        if loss not in LOSS_FORMS:
+            raise ValueError(f"loss form must be one of {LOSS_FORMS}, got {loss!r}")
         self.scenario = scenario
+        self.loss = loss
         self.dtype = torch_dtype(scenario.dtype)
         self.tail_stream = len(scenario.samples)
         self._token_cache: dict[int, torch.Tensor] = {}
@@ -74,8 +86,32 @@ class ScenarioData:
         return (rows * scale).to(self.dtype)
 
     def loss_weights(self, sample: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per response token weights ``(w_logprob, w_entropy)``, float32 ``[response]`` each."""
+        """Per response token weights ``(w_logprob, w_entropy)``, float32 ``[response]`` each, of
+        loss = sum(w_logprob * logp) - entropy_coef * sum(w_entropy * entropy).
+
+        "weighted": independent uniform weights in [-1, 1].
+        "policy": the per-sample token mean of a PPO policy loss at ratio 1 (old log-probs equal
+        to the current ones, so no clipping acts; KL off): with advantages A, loss mask m and
+        D = max(sum m, 1), loss = sum(-A * m / D * ratio) - entropy_coef * sum(m / D * entropy),
+        whose gradient is that of w_logprob = -A * m / D, w_entropy = m / D.
+        """
+        if self.loss == "policy":
+            mask = self.loss_mask(sample).float()
+            denom = mask.sum().clamp_min(1)
+            return -self.advantages(sample) * mask / denom, mask / denom
         s = self.scenario
         g = _generator(s.seed, "weights", sample)
         w = torch.rand((2, s.samples[sample].response), generator=g, dtype=torch.float32) * 2 - 1
         return w[0].clone(), w[1].clone()
+
+    def advantages(self, sample: int) -> torch.Tensor:
+        """Per response token advantages, float32 in [-1, 1] (the policy loss form)."""
+        s = self.scenario
+        g = _generator(s.seed, "advantages", sample)
+        return torch.rand(s.samples[sample].response, generator=g, dtype=torch.float32) * 2 - 1
+
+    def loss_mask(self, sample: int) -> torch.Tensor:
+        """Per response token loss mask, int32 0/1, mostly 1 (the policy loss form)."""
+        s = self.scenario
+        g = _generator(s.seed, "loss_mask", sample)
+        return (torch.rand(s.samples[sample].response, generator=g) >= MASKED_FRACTION).to(torch.int32)

@@ -12,11 +12,12 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, Target
+from shardcheck.targets.base import Capabilities, PolicyBatch, RankInputs, RankOutputs, Target, loss_form
 
 GROUP = "shardcheck.targets"
 
-__all__ = ["Capabilities", "RankInputs", "RankOutputs", "Target", "available", "resolve"]
+__all__ = ["Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "available", "loss_form",
+           "resolve"]
 
 
 def _registered() -> dict[str, Any]:

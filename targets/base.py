@@ -4,6 +4,10 @@ A target is an object with ``name``, ``capabilities``, ``describe()`` and ``comp
 The harness builds each rank's :class:`RankInputs` (slime's calling convention, made explicit),
 calls ``compute`` on every rank, and differentiates the loss of the returned per-sample outputs.
 A scenario outside a target's capabilities is reported as skipped with the reason.
+
+A target whose code under test is a whole loss (a policy loss that calls the log-prob code
+itself) sets ``loss_form = "policy"``: it then gets :class:`PolicyBatch` inputs, returns its own
+scalar ``loss`` in :class:`RankOutputs`, and the harness checks that loss and its gradient.
 """
 
 from __future__ import annotations
@@ -39,6 +43,21 @@ class Capabilities:
 
 
 @dataclass
+class PolicyBatch:
+    """What a policy loss needs besides logits and tokens (``loss_form = "policy"`` only).
+
+    Per sample: ``advantages`` and ``old_log_probs`` hold the rank's share of response tokens
+    (the same order as the outputs; ``old_log_probs`` are the float64 truth rounded to float32,
+    so the importance ratio is 1 and no clipping acts); ``loss_masks`` holds the whole response
+    (int32), as slime's callers pass it.
+    """
+
+    advantages: list[torch.Tensor]
+    old_log_probs: list[torch.Tensor]
+    loss_masks: list[torch.Tensor]
+
+
+@dataclass
 class RankInputs:
     """What one rank hands the implementation.
 
@@ -65,6 +84,7 @@ class RankInputs:
     # The harness's own layout for this rank (shardcheck.harness.layout.RankLayout). Adapters of
     # code that does only part of the job may use it; an implementation under test must not.
     rank_layout: Any = None
+    policy: PolicyBatch | None = None
 
     @property
     def allgather_cp(self) -> bool:
@@ -77,17 +97,25 @@ class RankInputs:
 
 @dataclass
 class RankOutputs:
-    """Per sample, this rank's share of the response log-probs (and entropy), 1-D each."""
+    """Per sample, this rank's share of the response log-probs (and entropy), 1-D each; for a
+    ``loss_form = "policy"`` target also the scalar ``loss`` it computed on this rank."""
 
     log_probs: list[torch.Tensor]
     entropy: list[torch.Tensor | None] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+
+
+def loss_form(target: Any) -> str:
+    """"weighted" (the harness builds the loss) unless the target says "policy"."""
+    return getattr(target, "loss_form", "weighted")
 
 
 @runtime_checkable
 class Target(Protocol):
     name: str
     capabilities: Capabilities
+    # optional: loss_form = "policy" (see the module docstring)
 
     def describe(self) -> dict[str, Any]:
         """Name, version and anything else a report should carry."""

@@ -1,4 +1,5 @@
-"""THUDM/slime's real ``get_log_probs_and_entropy``, imported from a source checkout.
+"""THUDM/slime's real ``get_log_probs_and_entropy`` and ``policy_loss_function``, imported from a
+source checkout: ``--target slime`` and ``--target slime:policy_loss``.
 
 slime is not on PyPI (the PyPI package called ``slime`` is another project): the user names a
 checkout with ``--slime-src DIR`` or ``SHARDCHECK_SLIME_SRC``. Its files are never written (no
@@ -13,6 +14,15 @@ bshd, ``allgather_cp``, top-p replay arguments, ``with_entropy_grad``/``need_ent
 Every ``args`` field slime reads is set from the scenario; a field slime asks for that the
 adapter did not set is reported (slime defaults ``entropy_coef`` to 0 when it is missing, which
 silently drops the entropy gradient).
+
+``slime:policy_loss`` calls ``policy_loss_function`` as slime's ``loss_function`` does, with the
+reducer from slime's own ``get_sum_of_sample_mean``, on a batch built so that the loss is a known
+function of log-probs and entropy: old log-probs equal to the truth (ratio 1, no clipping acts),
+the harness's advantages and loss masks, KL, TIS and OPSM off, per-sample token mean. Whether the
+entropy keeps its gradient is then decided where slime decides it for training, not by the
+adapter (a decision made at one call site only shows up here). The per-token values are taken
+from the caller's own call of ``get_log_probs_and_entropy`` (a pass-through wrapper on the
+imported module, never on slime's files).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs
+from shardcheck.targets.passthrough import Recorder
 
 ENV = "SHARDCHECK_SLIME_SRC"
 LOSS_MODULE = "slime.backends.megatron_utils.loss"
@@ -209,3 +220,112 @@ class SlimeTarget:
             result = result[-1]
         self.missing_args |= args.__dict__.get("_missing", set())
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
+
+
+# args policy_loss_function reads at one commit or another, set so that the loss is the
+# per-sample mean PPO loss with nothing else switched on.
+POLICY_ARGS: dict[str, Any] = {
+    "advantage_estimator": "grpo",
+    "use_rollout_logprobs": False,
+    "eps_clip": 0.2,
+    "eps_clip_high": 0.28,
+    "eps_clip_c": None,
+    "use_opsm": False,
+    "get_mismatch_metrics": False,
+    "use_tis": False,
+    "tis_clip": 2.0,
+    "tis_clip_low": 0.0,
+    "custom_tis_function_path": None,
+    "custom_pg_loss_reducer_function_path": None,
+    "calculate_per_token_loss": False,
+    "use_kl_loss": False,
+    "kl_loss_coef": 0.0,
+    "kl_loss_type": "low_var_kl",
+    "use_unbiased_kl": False,
+    "recompute_loss_function": False,
+}
+
+
+class SlimePolicyLossTarget(SlimeTarget):
+    """THUDM/slime's policy_loss_function (PPO loss at ratio 1, KL off), which calls
+    get_log_probs_and_entropy itself"""
+
+    name = "slime:policy_loss"
+    loss_form = "policy"
+
+    def _policy(self) -> tuple[Any, Any, Recorder]:
+        if getattr(self, "_policy_fns", None) is None:
+            module, self.stubs = import_slime(self.src)
+            recorder = module.get_log_probs_and_entropy
+            if not isinstance(recorder, Recorder):
+                recorder = Recorder(recorder)
+                module.get_log_probs_and_entropy = recorder
+            cp_utils = importlib.import_module("slime.backends.megatron_utils.cp_utils")
+            self._fn = recorder.fn
+            self._params = set(inspect.signature(recorder.fn).parameters)
+            self._policy_fns = (module.policy_loss_function, cp_utils.get_sum_of_sample_mean, recorder)
+        return self._policy_fns
+
+    def args(self, inputs: RankInputs) -> _Args:
+        args = super().args(inputs)
+        for key, value in POLICY_ARGS.items():
+            setattr(args, key, value)
+        args.loss_type = "policy_loss"
+        return args
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        if inputs.policy is None:
+            raise ValueError("slime:policy_loss needs the harness's policy batch (loss_form = 'policy')")
+        policy_loss_function, get_sum_of_sample_mean, recorder = self._policy()
+        device = inputs.logits.device
+        args = self.args(inputs)
+        masks = [m.to(device) for m in inputs.policy.loss_masks]
+        batch: dict[str, Any] = {
+            "unconcat_tokens": [t.to(device) for t in inputs.tokens],
+            "total_lengths": inputs.total_lengths,
+            "response_lengths": inputs.response_lengths,
+            "advantages": [a.to(device) for a in inputs.policy.advantages],
+            "log_probs": [lp.to(device) for lp in inputs.policy.old_log_probs],
+            "loss_masks": masks,
+            "rollout_mask_sums": [m.sum() for m in masks],
+        }
+        if inputs.max_seq_lens is not None:
+            batch["max_seq_lens"] = inputs.max_seq_lens
+        reducer = self._reducer(get_sum_of_sample_mean, inputs, masks)
+        recorder.results.clear()
+        loss, metrics = policy_loss_function(args, batch, inputs.logits, reducer)
+        self.missing_args |= args.__dict__.get("_missing", set())
+        if len(recorder.results) != 1:
+            raise RuntimeError(f"policy_loss_function called get_log_probs_and_entropy {len(recorder.results)} "
+                               "times (expected once)")
+        result = recorder.results.pop()
+        if isinstance(result, tuple):
+            result = result[-1]
+        return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None,
+                           notes={"metrics": sorted(metrics)}, loss=loss)
+
+    def _reducer(self, get_sum_of_sample_mean: Any, inputs: RankInputs, masks: list) -> Any:
+        """slime's own reducer, called as its loss_function calls it at this commit."""
+        params = inspect.signature(get_sum_of_sample_mean).parameters
+        kwargs: dict[str, Any] = {}
+        if "calculate_per_token_loss" in params:
+            kwargs["calculate_per_token_loss"] = False
+        if "qkv_format" in params:
+            kwargs["qkv_format"] = inputs.qkv_format
+        if "max_seq_lens" in params:
+            kwargs["max_seq_lens"] = inputs.max_seq_lens
+        return get_sum_of_sample_mean(inputs.total_lengths, inputs.response_lengths, masks, **kwargs)
+
+
+def target(variant: str | None = None) -> SlimeTarget:
+    """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src or SHARDCHECK_SLIME_SRC)
+
+    With the variant ``policy_loss``, its policy_loss_function instead."""
+    if variant is None:
+        return SlimeTarget()
+    if variant == "policy_loss":
+        return SlimePolicyLossTarget()
+    raise BadInput(f"target 'slime' has no variant {variant!r} (known: policy_loss)")
+
+
+target.variants = {"policy_loss": " ".join((SlimePolicyLossTarget.__doc__ or "").split())}  # type: ignore[attr-defined]

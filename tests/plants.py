@@ -202,3 +202,59 @@ class AllRoutes(BuiltinTarget):
         out = super().compute(inputs)
         out.log_probs[0] = out.log_probs[0] + 0 * y
         return out
+
+
+class PolicyLoss(BuiltinTarget):
+    """A correct PPO policy loss (per-sample token mean, ratio exp(logp - old)) around builtin:
+    the harness checks its loss value and gradient in the "policy" loss form"""
+
+    name = "plants:PolicyLoss"
+    loss_form = "policy"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        out.loss = self.loss(inputs, out)
+        return out
+
+    def denominator(self, mask: torch.Tensor, share_mask: torch.Tensor) -> torch.Tensor:
+        return mask.sum().clamp_min(1)
+
+    def loss(self, inputs: RankInputs, out: RankOutputs) -> torch.Tensor:
+        policy, share = inputs.policy, inputs.rank_layout.share
+        total = inputs.logits.sum() * 0
+        for i, js in enumerate(share):
+            mask = policy.loss_masks[i].float()
+            share_mask = mask[torch.tensor(js, dtype=torch.int64)]
+            ratio = (out.log_probs[i] - policy.old_log_probs[i]).exp()
+            denom = self.denominator(mask, share_mask)
+            total = total + (-policy.advantages[i] * ratio * share_mask).sum() / denom
+            total = total - inputs.entropy_coef * (out.entropy[i] * share_mask).sum() / denom
+        return total
+
+
+class PolicyLossLocalDenominator(PolicyLoss):
+    """PolicyLoss, dividing by the rank's share of the mask instead of the sample's whole mask:
+    right without CP, wrong values and gradients with it"""
+
+    name = "plants:PolicyLossLocalDenominator"
+
+    def denominator(self, mask: torch.Tensor, share_mask: torch.Tensor) -> torch.Tensor:
+        return share_mask.sum().clamp_min(1)
+
+
+class PolicyLossOffset(PolicyLoss):
+    """PolicyLoss plus a constant 0.25: a wrong loss value with a right gradient"""
+
+    name = "plants:PolicyLossOffset"
+
+    def loss(self, inputs: RankInputs, out: RankOutputs) -> torch.Tensor:
+        return super().loss(inputs, out) + 0.25
+
+
+class PolicyLossNotScalar(PolicyLoss):
+    """PolicyLoss returned as a 1-element-per-sample vector instead of a scalar"""
+
+    name = "plants:PolicyLossNotScalar"
+
+    def loss(self, inputs: RankInputs, out: RankOutputs) -> torch.Tensor:
+        return super().loss(inputs, out).reshape(1).repeat(2)

@@ -80,3 +80,59 @@ def test_slime_passes_every_smoke_scenario_it_supports(tmp_path):
     assert doc["target"]["name"] == "slime" and doc["target"]["era"]
     verdicts = {v["verdict"] for v in doc["scenarios"]}
     assert verdicts <= {"pass", "skip"} and "pass" in verdicts
+
+
+def test_policy_loss_is_a_variant_of_the_slime_target(tmp_path):
+    proc = run_cli("targets")
+    assert proc.returncode == 0 and "policy_loss" in proc.stdout, proc.stdout
+    from shardcheck.targets import resolve
+
+    with pytest.raises(BadInput, match="no variant 'nope'"):
+        resolve("slime:nope")
+
+
+@needs_slime
+@pytest.mark.world
+def test_slime_policy_loss_passes_every_smoke_scenario_it_supports(tmp_path):
+    """policy_loss_function with old log-probs equal to the truth (ratio 1) and KL off: its loss
+    value and gradient match the reference wherever slime's log-probs are right."""
+    report = tmp_path / "r.json"
+    proc = run_cli("run", "--target", "slime:policy_loss", "--suite", "smoke", "--json-report", str(report))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(report.read_text())
+    assert doc["target"]["name"] == "slime:policy_loss"
+    assert "args_read_but_not_set" in doc["target"] and not doc["target"]["args_read_but_not_set"]
+    verdicts = {v["verdict"] for v in doc["scenarios"]}
+    assert verdicts <= {"pass", "skip"} and "pass" in verdicts
+
+
+REPO_ENV = "SHARDCHECK_SLIME_REPO"
+needs_slime_history = pytest.mark.skipif(
+    not os.environ.get(REPO_ENV), reason=f"{REPO_ENV} is not set: no slime git repository with its history "
+    "(a clone of THUDM/slime) to check past commits against")
+PR_2153 = "fa3c990af"  # "bugfix": moves the with_entropy_grad decision out of policy_loss_function
+
+
+def _archive(repo: str, rev: str, dest) -> str:
+    import subprocess
+
+    blob = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev], capture_output=True, check=True).stdout
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=blob, check=True)
+    return str(dest)
+
+
+@needs_slime_history
+@pytest.mark.world
+def test_a_bug_at_one_call_site_shows_only_through_the_caller(tmp_path):
+    """Bug class 5: before PR #2153, policy_loss_function passed with_entropy_grad to a
+    get_log_probs_and_entropy that no longer took it. Calling the function directly passes; the
+    policy loss target names the caller's line."""
+    src = _archive(os.environ[REPO_ENV], f"{PR_2153}~1", tmp_path / "slime")
+    scenario = ["--suite", "regressions", "--scenario", "thd-tp2-chunks", "--slime-src", src]
+    direct = run_cli("run", "--target", "slime", *scenario)
+    assert direct.returncode == 0, direct.stdout[-2000:]
+    caller = run_cli("run", "--target", "slime:policy_loss", *scenario)
+    assert caller.returncode == 1, caller.stdout[-2000:]
+    assert "rank_error" in caller.stdout and "with_entropy_grad" in caller.stdout
+    assert "in policy_loss_function" in caller.stdout, "the error is placed at slime's call site"
