@@ -59,8 +59,10 @@ def compare_outputs(
     log_probs: Sequence[torch.Tensor | None],
     entropy: Sequence[torch.Tensor | None] | None,
     rank: int,
+    device: torch.device | None = None,
 ) -> tuple[list[Failure], dict[str, float]]:
-    """Check the per-sample outputs: their structure first, then every value."""
+    """Check the per-sample outputs: their structure first, then every value (the reference runs
+    on ``device`` when given)."""
     sc = layout.scenario
     failures: list[Failure] = []
     fields = {"log_probs": log_probs}
@@ -75,7 +77,7 @@ def compare_outputs(
             structure_ok = False
     if not structure_ok:
         return failures, {}
-    ref_lp, ref_ent = shard.share_truth(data, layout)
+    ref_lp, ref_ent = shard.share_truth(data, layout, device)
     positions = shard.global_positions(layout)
     tol = TOLERANCES[sc.dtype]["values"]
     errors = {}
@@ -118,7 +120,7 @@ def _structure_problem(
 
 
 def compare_loss(
-    layout: RankLayout, data: ScenarioData, loss: object, rank: int
+    layout: RankLayout, data: ScenarioData, loss: object, rank: int, device: torch.device | None = None
 ) -> tuple[list[Failure], dict[str, float]]:
     """Check a target's own scalar loss on this rank against the loss of the truth on its share.
 
@@ -128,7 +130,7 @@ def compare_loss(
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         return [Failure(VALUE_MISMATCH, f"loss is {shape}, expected a scalar tensor", [rank], field="loss")], {}
-    ref_lp, ref_ent = shard.share_truth(data, layout)
+    ref_lp, ref_ent = shard.share_truth(data, layout, device)
     w_lp = torch.cat([w for w, _ in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
     w_ent = torch.cat([w for _, w in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
     w_ent = w_ent * sc.entropy_coef
@@ -146,7 +148,7 @@ def compare_loss(
 
 
 def compare_grad(
-    layout: RankLayout, data: ScenarioData, grad: torch.Tensor, rank: int
+    layout: RankLayout, data: ScenarioData, grad: torch.Tensor, rank: int, device: torch.device | None = None
 ) -> tuple[list[Failure], dict[str, float]]:
     """Check d loss / d local logits against the reference gradient of the global loss."""
     sc = layout.scenario
@@ -158,8 +160,9 @@ def compare_grad(
     listed, count, worst = [], 0, 0.0
     for start, want in loss_grad_chunks(
         shard.PieceRows(data, layout.pieces), targets, w_lp, w_ent if sc.with_entropy else None,
-        entropy_coef=sc.entropy_coef, temperature=sc.temperature, columns=slice(*layout.columns),
+        entropy_coef=sc.entropy_coef, temperature=sc.temperature, columns=slice(*layout.columns), device=device,
     ):
+        want = want.cpu()
         got = grad[start : start + want.size(0)]
         worst = max(worst, _max_error(got, want))
         bad = mismatch_mask(got, want, tol).nonzero().tolist()

@@ -70,11 +70,11 @@ class Lockstep:
     """One per rank process; :meth:`begin` starts a scenario, :meth:`check` is the trace's checker."""
 
     def __init__(self, port: int, rank: int, world_size: int, timeout: float,
-                 label: Callable[[str], str] | None = None) -> None:
+                 label: Callable[[str], str] | None = None, host: str = "127.0.0.1") -> None:
         # get is only called for keys known to exist: a get that times out would leave its late
         # reply on the socket. Waiting is done with wait(keys, timeout), which cancels cleanly
         # on the server when it times out.
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False,
+        self.store = dist.TCPStore(host, port, is_master=False,
                                    timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         self.slice = datetime.timedelta(seconds=SLICE_S)
         self.rank = rank

@@ -36,30 +36,21 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         import torch
         import torch.distributed as dist
 
+        from shardcheck.harness.backend import rank_device
+
         torch.set_num_threads(1)
+        backend = options.get("backend", "gloo")
+        device = rank_device(backend, rank)
         timeout = datetime.timedelta(seconds=options["collective_timeout"])
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=options["start_timeout"]))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        from shardcheck.harness import groups
-
-        groups.set_timeout(options["collective_timeout"])
-        import megatron.core.parallel_state  # noqa: F401  (pay the import before the first scenario)
-
-        from shardcheck.harness import trace
-
-        trace.install()
-        lockstep = None
-        if options.get("lockstep", True):
-            from shardcheck.harness.lockstep import Lockstep
-
-            lockstep = Lockstep(store_port, rank, world_size, options["collective_timeout"], label=groups.label)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        runner = prepare(rank, world_size, "127.0.0.1", store_port, options, device)
     except BaseException as exc:  # noqa: BLE001  (reported to the controller, then exit)
         conn.send(protocol.message(protocol.FATAL, error=protocol.error_payload(exc)))
         return
     conn.send(protocol.message(protocol.READY, pid=os.getpid(), seconds=time.perf_counter() - t0))
 
-    runner = _Runner(rank, lockstep)
     while True:
         try:
             name, kwargs = conn.recv()
@@ -73,6 +64,26 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001  (best effort on the way out)
         pass
+
+
+def prepare(rank: int, world_size: int, store_host: str, store_port: int, options: dict[str, Any],
+            device: Any) -> RankRunner:
+    """Ready this process, already in the default process group, to run scenarios: group
+    timeouts, megatron's import, the collective trace and the lockstep check (over the store at
+    ``store_host:store_port``). Used by spawned ranks and by a joined world (torchrun) alike."""
+    from shardcheck.harness import groups, trace
+
+    groups.set_timeout(options["collective_timeout"])
+    import megatron.core.parallel_state  # noqa: F401  (pay the import before the first scenario)
+
+    trace.install()
+    lockstep = None
+    if options.get("lockstep", True):
+        from shardcheck.harness.lockstep import Lockstep
+
+        lockstep = Lockstep(store_port, rank, world_size, options["collective_timeout"], label=groups.label,
+                            host=store_host)
+    return RankRunner(rank, lockstep, device)
 
 
 TRACE_CAP = 2000  # calls per rank and scenario sent back when the whole trace is asked for
@@ -97,10 +108,13 @@ def _die_with_parent() -> None:
         pass
 
 
-class _Runner:
-    def __init__(self, rank: int, lockstep: Any) -> None:
+class RankRunner:
+    """Runs one scenario at a time on this rank and returns its result as plain data."""
+
+    def __init__(self, rank: int, lockstep: Any, device: Any = None) -> None:
         self.rank = rank
         self.lockstep = lockstep
+        self.device = device
         self._targets: dict[str, Any] = {}
 
     def target(self, spec: str) -> Any:
@@ -190,7 +204,7 @@ class _Runner:
         layout = rank_layout(sc, groups.tp_rank(), groups.cp_rank())
         form = loss_form(target)
         data = ScenarioData(sc, loss=form)
-        logits = shard.local_logits(data, layout).requires_grad_()
+        logits = shard.local_logits(data, layout).to(self.device).requires_grad_()
         inputs = RankInputs(
             logits=logits,
             tokens=[data.tokens(i) for i in range(len(sc.samples))],
@@ -213,10 +227,12 @@ class _Runner:
         )
         outputs = target.compute(inputs)
         entropy = outputs.entropy if sc.with_entropy else None
-        failures, errors = compare_outputs(layout, data, outputs.log_probs, entropy, self.rank)
+        # the reference runs where the rank computes: on its GPU under nccl, in row chunks
+        ref_device = self.device if getattr(self.device, "type", "cpu") == "cuda" else None
+        failures, errors = compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device)
         if form == "policy":
             loss = outputs.loss
-            loss_failures, loss_errors = compare_loss(layout, data, loss, self.rank)
+            loss_failures, loss_errors = compare_loss(layout, data, loss, self.rank, ref_device)
             failures, errors = failures + loss_failures, errors | loss_errors
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 loss = torch.zeros(())  # reported above; peers still run their backward
@@ -228,5 +244,5 @@ class _Runner:
         if loss.requires_grad:
             loss.backward()
         grad = logits.grad if logits.grad is not None else torch.zeros_like(logits)
-        grad_failures, grad_errors = compare_grad(layout, data, grad, self.rank)
+        grad_failures, grad_errors = compare_grad(layout, data, grad, self.rank, ref_device)
         return failures + grad_failures, errors | grad_errors, target.describe()

@@ -107,17 +107,10 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 6)
-    failed = [v for v in verdicts if v.status == FAIL]
-    for v in failed:
-        lines.append("")
-        lines.append(f"FAILED {v.scenario.name}  ({v.scenario.summary()})")
-        for f in v.failures[:MAX_FAILURES_SHOWN]:
-            phase = f" in {f.phase}" if f.phase else ""
-            lines.append(f"  {f.kind}{phase} [ranks {_ranks(f.ranks)}]: {f.message}")
-            for call in f.details.get("last_matched", []):
-                lines.append(f"      last matched before it: {call}")
-        if len(v.failures) > MAX_FAILURES_SHOWN:
-            lines.append(f"  ... {len(v.failures) - MAX_FAILURES_SHOWN} more in the JSON report")
+    for v in verdicts:
+        if v.status == FAIL:
+            lines.append("")
+            lines.append(render_failure(v))
     c = _counts(verdicts)
     start = info.get("startup_seconds") or []
     lines.append("")
@@ -128,6 +121,19 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
         + (f" (world start-up {sum(start):.1f}s, {len(start)} start{'s' if len(start) != 1 else ''}, "
            f"{info.get('ranks')} ranks)" if start else "")
     )
+    return "\n".join(lines)
+
+
+def render_failure(v: Verdict) -> str:
+    """A failed scenario's findings, the first line naming the scenario and its layout."""
+    lines = [f"FAILED {v.scenario.name}  ({v.scenario.summary()})"]
+    for f in v.failures[:MAX_FAILURES_SHOWN]:
+        phase = f" in {f.phase}" if f.phase else ""
+        lines.append(f"  {f.kind}{phase} [ranks {_ranks(f.ranks)}]: {f.message}")
+        for call in f.details.get("last_matched", []):
+            lines.append(f"      last matched before it: {call}")
+    if len(v.failures) > MAX_FAILURES_SHOWN:
+        lines.append(f"  ... {len(v.failures) - MAX_FAILURES_SHOWN} more in the JSON report")
     return "\n".join(lines)
 
 

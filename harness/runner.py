@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shardcheck.harness.backend import choose_backend
 from shardcheck.harness.verdict import FAIL, SKIP, Verdict, merge
 from shardcheck.harness.world import World
 from shardcheck.scenarios.scenario import Scenario
@@ -45,12 +46,15 @@ def run(
     lockstep: bool = True,
     trace: bool = False,
     world: World | None = None,
+    backend: str = "gloo",
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
 
     Data-parallel replicas (when tp * cp < world size) run the same scenario, and each is
     checked: replicas that disagree are a finding too. ``trace`` puts every rank's collective
     calls in each verdict (a failing one always carries the calls leading up to it).
+    ``backend`` (gloo, nccl or auto) is that of the world started here (a given ``world`` has
+    its own).
     """
     target: Target = resolve(target_spec)
     t0 = time.perf_counter()
@@ -63,15 +67,19 @@ def run(
             skips[sc.name] = reason
     runnable = [sc for sc in scenarios if sc.name not in skips]
     size = world.nproc if world is not None else nproc or world_size_for(runnable)
+    backend_why = "the given world's"
+    if world is None:
+        backend, backend_why = choose_backend(backend, size)
     info: dict[str, Any] = {"target": target.describe(), "target_spec": target_spec, "ranks": size,
-                            "backend": "gloo", "lockstep": world.lockstep if world is not None else lockstep}
+                            "backend": world.backend if world is not None else backend, "backend_why": backend_why,
+                            "lockstep": world.lockstep if world is not None else lockstep}
     reporter.start(info, list(scenarios))
     verdicts = [Verdict(sc, SKIP, reason=skips[sc.name]) for sc in scenarios if sc.name in skips]
     for v in verdicts:
         reporter.add(v)
     own_world = world is None and bool(runnable)
     if own_world:
-        world = World(size, timeout=timeout, lockstep=lockstep)
+        world = World(size, timeout=timeout, lockstep=lockstep, backend=backend)
     try:
         if own_world:
             world.start()  # start-up is reported on its own, not charged to the first scenario

@@ -106,10 +106,13 @@ def share_weights(data: ScenarioData, layout: RankLayout) -> list[tuple[torch.Te
     return out
 
 
-def share_truth(data: ScenarioData, layout: RankLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference (log-probs, entropy) of the rank's share, float64, concatenated over samples."""
-    return logprob_entropy(PieceRows(data, share_pieces(layout)), share_targets(data, layout),
-                           temperature=layout.scenario.temperature)
+def share_truth(data: ScenarioData, layout: RankLayout, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference (log-probs, entropy) of the rank's share, float64 on the CPU, concatenated
+    over samples; computed on ``device`` (a GPU, in row chunks) when one is given."""
+    lp, ent = logprob_entropy(PieceRows(data, share_pieces(layout)), share_targets(data, layout),
+                              temperature=layout.scenario.temperature, device=device)
+    return lp.cpu(), ent.cpu()
 
 
 def policy_batch(data: ScenarioData, layout: RankLayout) -> PolicyBatch:

@@ -29,10 +29,11 @@ DEATH_GRACE_S = 3.0  # after a rank dies, how long its peers get to report befor
 
 class World:
     def __init__(self, nproc: int, *, timeout: float = 60.0, start_timeout: float = 180.0,
-                 lockstep: bool = True) -> None:
+                 lockstep: bool = True, backend: str = "gloo") -> None:
         if nproc < 1:
             raise ValueError(f"a world needs at least one rank, got {nproc}")
         self.nproc = nproc
+        self.backend = backend
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.lockstep = lockstep
@@ -78,6 +79,7 @@ class World:
                 "start_timeout": self.start_timeout,
                 "traceback_file": self._traceback_file(rank),
                 "lockstep": self.lockstep,
+                "backend": self.backend,
             }
             p = ctx.Process(target=rank_main, args=(rank, self.nproc, self._store.port, child, options),
                             name=f"shardcheck-rank{rank}", daemon=True)

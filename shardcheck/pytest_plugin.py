@@ -1,0 +1,153 @@
+"""shardcheck's pytest plugin, registered through the ``pytest11`` entry point.
+
+In a test file::
+
+    import pytest
+    from shardcheck.pytest_plugin import parametrize_suite
+
+    pytestmark = pytest.mark.multigpu
+
+    @parametrize_suite("regressions")          # one test id per scenario
+    def test_logprobs(shardcheck, scenario):
+        shardcheck.check(scenario)             # fails with the scenario's findings
+
+Launch it either way people launch distributed tests:
+
+- ``pytest -m multigpu``: shardcheck starts the ranks once per session (per xdist worker: each
+  world has its own OS-picked port, so ``-n 2`` workers never share ports or ranks);
+- ``torchrun --nproc-per-node N -m pytest -m multigpu``: every rank runs pytest and shardcheck
+  joins the launcher's world instead of starting one; every rank reaches the same verdict.
+
+Options: ``--shardcheck-target`` (default ``builtin``, or ``SHARDCHECK_TARGET``),
+``--shardcheck-backend`` (auto, gloo, nccl), ``--shardcheck-nproc`` (ranks shardcheck starts,
+default 4), ``--shardcheck-timeout`` (seconds per scenario).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+MARKER = "multigpu"
+DEFAULT_NPROC = 4
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shardcheck", "shardcheck: sharded log-prob and entropy checks")
+    group.addoption("--shardcheck-target", default=None, metavar="SPEC",
+                    help="target the shardcheck fixture checks: NAME, NAME:VARIANT or module:callable "
+                         "(default: $SHARDCHECK_TARGET or builtin)")
+    group.addoption("--shardcheck-backend", default="auto", choices=("auto", "gloo", "nccl"),
+                    help="torch.distributed backend (default auto: nccl with one GPU per rank, else gloo)")
+    group.addoption("--shardcheck-nproc", type=int, default=None, metavar="N",
+                    help=f"ranks shardcheck starts (default {DEFAULT_NPROC}; under torchrun: its world)")
+    group.addoption("--shardcheck-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds a scenario may take before its ranks are declared hung (default 60)")
+
+
+# Notices megatron-core and torch print when shardcheck imports them in a pytest process (a
+# torchrun rank): about their optional accelerators and their own deprecations, not your code.
+IMPORT_NOISE = (
+    "ignore:Transformer Engine and Apex are not installed:UserWarning",
+    "ignore:The following imports from `dynamic_context.py`:DeprecationWarning",
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{MARKER}: checks sharded code on a multi-rank world (shardcheck); "
+                   f"select with -m {MARKER}, leave out with -m 'not {MARKER}'")
+    for line in IMPORT_NOISE:
+        config.addinivalue_line("filterwarnings", line)
+
+
+def parametrize_suite(suite: str | Iterable[Any], argname: str = "scenario") -> pytest.MarkDecorator:
+    """``pytest.mark.parametrize`` over a named suite (or given scenarios), with each scenario's
+    name as its test id, so a junit report has one testcase per scenario."""
+    from shardcheck.scenarios import get_suite
+
+    scenarios = get_suite(suite) if isinstance(suite, str) else list(suite)
+    return pytest.mark.parametrize(argname, scenarios, ids=[s.name for s in scenarios])
+
+
+class ShardcheckSession:
+    """The session's world and default target; :meth:`check` runs one scenario on every rank."""
+
+    def __init__(self, world: Any, target: str) -> None:
+        self.world = world
+        self.target = target
+
+    def run(self, scenario: Any, target: str | None = None) -> Any:
+        """The scenario's :class:`~shardcheck.harness.verdict.Verdict` (pass, fail or skip)."""
+        from shardcheck.harness import runner
+
+        result = runner.run([scenario], target or self.target, reporter=_Quiet(), world=self.world)
+        return result.verdicts[0]
+
+    def check(self, scenario: Any, target: str | None = None) -> Any:
+        """Run the scenario; fail the test with its findings, skip it with the reason."""
+        from shardcheck.harness.report import render_failure
+        from shardcheck.harness.verdict import FAIL, SKIP
+
+        verdict = self.run(scenario, target)
+        if verdict.status == SKIP:
+            pytest.skip(verdict.reason or "outside the target's capabilities")
+        if verdict.status == FAIL:
+            # first line: the kind and where, which junit shows as the failure message
+            pytest.fail(f"{verdict.headline()}\n{render_failure(verdict)}", pytrace=False)
+        return verdict
+
+
+class _Quiet:
+    def start(self, info: dict[str, Any], scenarios: list[Any]) -> None:
+        pass
+
+    def add(self, verdict: Any) -> None:
+        pass
+
+    def finish(self, info: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def shardcheck_world(request: pytest.FixtureRequest) -> Any:
+    """One world for the whole session: started here, or joined under torchrun."""
+    from shardcheck.errors import ShardcheckError
+    from shardcheck.harness.joined import JoinedWorld, launched_by_torchrun
+
+    opt = request.config.getoption
+    try:
+        if launched_by_torchrun():
+            world: Any = JoinedWorld(timeout=opt("--shardcheck-timeout"), backend=opt("--shardcheck-backend"))
+        else:
+            from shardcheck.harness.backend import choose_backend
+            from shardcheck.harness.world import World
+
+            nproc = opt("--shardcheck-nproc") or DEFAULT_NPROC
+            backend, _ = choose_backend(opt("--shardcheck-backend"), nproc)
+            world = World(nproc, timeout=opt("--shardcheck-timeout"), backend=backend)
+        world.start()
+    except ShardcheckError as exc:
+        pytest.exit(f"shardcheck: {exc}", returncode=2)
+    try:
+        yield world
+    finally:
+        world.close()
+
+
+@pytest.fixture(scope="session")
+def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
+    """Check scenarios against the session's target on the session's world."""
+    from shardcheck.errors import BadInput
+    from shardcheck.targets import resolve
+
+    target = request.config.getoption("--shardcheck-target") or os.environ.get("SHARDCHECK_TARGET") or "builtin"
+    try:
+        resolve(target)  # a bad spec is one line, once, before any rank starts
+    except BadInput as exc:
+        pytest.exit(f"shardcheck: {exc}", returncode=2)
+    return ShardcheckSession(request.getfixturevalue("shardcheck_world"), target)

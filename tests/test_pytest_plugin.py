@@ -1,0 +1,101 @@
+"""The pytest plugin, used as a framework team would: the example test file run by plain pytest,
+by torchrun (every rank runs pytest and shardcheck joins its world) and by pytest-xdist."""
+
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from shardcheck.scenarios import get_suite
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "pytest_multigpu" / "test_shardcheck_regressions.py"
+SCENARIOS = [s.name for s in get_suite("regressions")]
+BIN = Path(sys.executable).parent
+
+
+def _project(tmp_path: Path) -> Path:
+    """The example in a project of its own (no shardcheck pytest config around it)."""
+    shutil.copy(EXAMPLE, tmp_path / EXAMPLE.name)
+    return tmp_path
+
+
+def _pytest(cwd: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 600):
+    cmd = [*launcher, "-m", "pytest", "-p", "no:cacheprovider", *args] if launcher else \
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _cases(junit: Path) -> dict[str, str | None]:
+    root = ET.parse(junit).getroot()
+    out = {}
+    for tc in root.iter("testcase"):
+        failure = tc.find("failure")
+        out[tc.get("name")] = None if failure is None else failure.get("message")
+    return out
+
+
+def test_the_marker_is_registered(tmp_path):
+    (tmp_path / "test_plain.py").write_text("def test_cpu_only():\n    pass\n")
+    shutil.copy(EXAMPLE, tmp_path / EXAMPLE.name)
+    proc = _pytest(tmp_path, "-m", "not multigpu", "-q", "-W", "error::pytest.PytestUnknownMarkWarning")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "1 passed" in proc.stdout and f"{len(SCENARIOS)} deselected" in proc.stdout
+    markers = _pytest(tmp_path, "--markers")
+    assert "@pytest.mark.multigpu" in markers.stdout
+
+
+@pytest.mark.world
+def test_one_testcase_per_scenario_passing_against_builtin(tmp_path):
+    project = _project(tmp_path)
+    proc = _pytest(project, "-m", "multigpu", "-q", "--junitxml", "j.xml")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    cases = _cases(project / "j.xml")
+    assert sorted(cases) == sorted(f"test_regressions[{n}]" for n in SCENARIOS)
+    assert all(v is None for v in cases.values()), cases
+
+
+@pytest.mark.world
+def test_a_mutant_fails_per_scenario_with_the_kind_in_the_message(tmp_path):
+    project = _project(tmp_path)
+    proc = _pytest(project, "-m", "multigpu", "-q", "--junitxml", "j.xml",
+                   "--shardcheck-target", "builtin:grad_placeholder")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    cases = _cases(project / "j.xml")
+    assert len(cases) == len(SCENARIOS)
+    failed = {name: msg for name, msg in cases.items() if msg}
+    # the backward hang of bug class 3, named in the failure message of its scenario
+    assert "collective_mismatch" in failed["test_regressions[ag-empty-local-slices]"], failed
+    assert "FAILED ag-empty-local-slices  (allgather tp=1 cp=2" in proc.stdout
+    assert "in backward" in proc.stdout
+
+
+@pytest.mark.world
+def test_under_torchrun_every_rank_joins_one_world(tmp_path):
+    project = _project(tmp_path)
+    proc = _pytest(project, "-m", "multigpu", "-q", "-p", "no:warnings",
+                   launcher=(str(BIN / "torchrun"), "--nproc-per-node", "4"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # four pytest processes (the ranks), each with every scenario passed
+    assert proc.stdout.count(f"{len(SCENARIOS)} passed") == 4, proc.stdout[-3000:]
+
+
+@pytest.mark.world
+def test_with_xdist_workers_each_own_a_world(tmp_path):
+    project = _project(tmp_path)
+    proc = _pytest(project, "-n", "2", "-q")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"{len(SCENARIOS)} passed" in proc.stdout
+
+
+def test_a_bad_target_stops_the_session_with_one_line(tmp_path):
+    project = _project(tmp_path)
+    proc = _pytest(project, "-m", "multigpu", "-q", "--shardcheck-target", "no_such_module:thing",
+                   "--shardcheck-nproc", "1", timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert "cannot import 'no_such_module'" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
