@@ -84,7 +84,7 @@ class TerminalReport:
         line = (f"[{len(self.verdicts):>{len(str(self.total))}}/{self.total}] {time.perf_counter() - self.t0:6.1f}s "
                 f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {verdict.scenario.name}")
         if self.live:
-            print("\r\033[K" + line[:_width() - 1], end="", file=self.err, flush=True)
+            print("\r\033[K" + line[:terminal_width() - 1], end="", file=self.err, flush=True)
         else:
             print(line, file=self.err, flush=True)
 
@@ -103,7 +103,7 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
     for v in verdicts:
         sc = v.scenario
         rows.append((sc.name, sc.layout, str(sc.tp), str(sc.cp), v.status.upper() if v.status == FAIL else v.status,
-                     f"{v.seconds:.2f}s" if v.status != SKIP else "-", _clip(v.headline(), 90)))
+                     f"{v.seconds:.2f}s" if v.status != SKIP else "-", clip(v.headline(), 90)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 6)
@@ -129,7 +129,7 @@ def render_failure(v: Verdict) -> str:
     lines = [f"FAILED {v.scenario.name}  ({v.scenario.summary()})"]
     for f in v.failures[:MAX_FAILURES_SHOWN]:
         phase = f" in {f.phase}" if f.phase else ""
-        lines.append(f"  {f.kind}{phase} [ranks {_ranks(f.ranks)}]: {f.message}")
+        lines.append(f"  {f.kind}{phase} [ranks {rank_list(f.ranks)}]: {f.message}")
         for call in f.details.get("last_matched", []):
             lines.append(f"      last matched before it: {call}")
     if len(v.failures) > MAX_FAILURES_SHOWN:
@@ -151,16 +151,19 @@ def _target_line(target: dict[str, Any]) -> str:
     return line
 
 
-def _ranks(ranks: list[int]) -> str:
+def rank_list(ranks: list[int]) -> str:
+    """Ranks as a report writes them: 0,1,3."""
     return ",".join(map(str, ranks))
 
 
-def _clip(text: str, n: int) -> str:
+def clip(text: str, n: int) -> str:
+    """One line of at most n characters (whitespace folded) for a table or summary."""
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def _width() -> int:
+def terminal_width() -> int:
+    """Columns of the terminal stderr is on (120 when it is not one), for live progress lines."""
     try:
         return os.get_terminal_size(sys.stderr.fileno()).columns
     except OSError:

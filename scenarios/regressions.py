@@ -27,4 +27,8 @@ def regressions() -> list[Scenario]:
         Scenario("bshd-tp4-boundaries", (Sample(12, 5), Sample(7, 1), Sample(30, 29)), vocab=32, tp=4,
                  layout="bshd", log_probs_chunk_size=5, entropy_coef=0.2, seed=205,
                  description="padded batch, prompt length 1, response length 1 (class 6)"),
+        Scenario("zigzag-response-on-chunk-start", (Sample(36, 17), Sample(13, 4)), vocab=32, cp=2,
+                 layout="zigzag", entropy_coef=0.1, seed=206,
+                 description="zigzag CP, responses starting on the first row of a CP chunk, with and without "
+                 "zigzag padding (class 6)"),
     ]

@@ -1,4 +1,4 @@
-"""``shardcheck`` command line: run, suites, targets.
+"""``shardcheck`` command line: run, fuzz, bisect, suites, targets.
 
 Exit status: 0 every scenario passed (or was skipped), 1 some scenario failed, 2 bad input or
 configuration (one line on stderr naming the problem), 130 interrupted.
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from shardcheck.errors import BadInput, ShardcheckError
+from shardcheck.harness.backend import BACKENDS
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a scenario may take before its ranks are declared hung (default: 60)")
+    r.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="torch.distributed backend: nccl (one GPU per rank), gloo (CPU), or auto: nccl when "
+                        "every rank gets a GPU, else gloo (default: auto)")
     r.add_argument("--slime-src", metavar="DIR",
                    help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
     r.add_argument("--no-lockstep", action="store_true",
@@ -52,9 +56,48 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--suite", default="regressions", help="the suite to run at each commit (default: regressions)")
     b.add_argument("--scenario", action="append", default=[], metavar="NAME", help="only these scenarios")
     b.add_argument("--timeout", type=float, default=60.0, help="seconds a scenario may take (default: 60)")
+    f = sub.add_parser("fuzz", help="search for a failing scenario with hypothesis, shrink it, write it")
+    f.add_argument("--target", default="builtin", help="NAME, NAME:VARIANT or module:callable (default: builtin)")
+    f.add_argument("--max-examples", type=int, default=100, metavar="N",
+                   help="scenarios hypothesis draws before it gives up looking (default: 100)")
+    f.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="the search's random seed, to repeat a run (default: random, and printed)")
+    f.add_argument("--tp", type=_int_list, default=None, metavar="LIST",
+                   help="tensor-parallel sizes to draw from, e.g. 1,2 (default: 1,2,4)")
+    f.add_argument("--cp", type=_int_list, default=None, metavar="LIST",
+                   help="context-parallel sizes to draw from (default: 1,2,4)")
+    f.add_argument("--layout", type=_name_list, default=None, metavar="LIST",
+                   help="layouts to draw from, e.g. zigzag,allgather (default: all the target supports)")
+    f.add_argument("--nproc", type=int, default=None,
+                   help="ranks in the world; only tp * cp dividing it are drawn (default: the least that "
+                        "every tp * cp up to 4 fits in)")
+    f.add_argument("--max-shrinks", type=int, default=300, metavar="N",
+                   help="scenarios run while shrinking a failure, at most (default: 300)")
+    f.add_argument("--out", default=None, metavar="FILE",
+                   help="where the minimal failing scenario is written (default: .shardcheck/fuzz-failure.json)")
+    f.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a scenario may take before its ranks are declared hung (default: 60)")
+    f.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="torch.distributed backend: nccl, gloo, or auto (default: auto, as for run)")
+    f.add_argument("--slime-src", metavar="DIR",
+                   help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
+    f.add_argument("--no-lockstep", action="store_true",
+                   help="trace collectives without the lockstep check; a hang then lasts until --timeout")
+    f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     sub.add_parser("suites", help="list the named suites")
     sub.add_parser("targets", help="list the registered targets")
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "run":
             return _run(args)
+        if args.command == "fuzz":
+            return _fuzz(args)
         if args.command == "bisect":
             return _bisect(args)
         if args.command == "suites":
@@ -119,7 +164,68 @@ def _run(args: argparse.Namespace) -> int:
             raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
     result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
                         nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
-                        trace=args.trace)
+                        trace=args.trace, backend=args.backend)
+    return result.exit_code
+
+
+def _writable(path: str) -> None:
+    """Fail before the world starts, not after the search, when the answer cannot be written."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise BadInput(f"--out {path!r} is a directory")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"cannot create the folder of --out {path!r}: {exc.strerror}") from None
+    if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise BadInput(f"cannot write --out {path!r}: permission denied")
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    import json
+
+    from shardcheck.harness import fuzz
+    from shardcheck.harness.fuzz_report import Progress, header, replay_command, summary
+
+    if args.slime_src:
+        from shardcheck.targets.slime import ENV, slime_source
+
+        os.environ[ENV] = str(slime_source(args.slime_src))  # the ranks inherit it
+    out = args.out or fuzz.DEFAULT_OUT
+    progress = Progress(quiet=args.quiet)
+
+    def on_start(plan: fuzz.FuzzResult) -> None:  # the options are valid; the world is not up yet
+        _writable(out)
+        if not args.quiet:
+            print(header(plan.target, plan.seed, plan.nproc, plan.pairs, plan.layouts), file=sys.stderr, flush=True)
+
+    try:
+        result = fuzz.fuzz(
+            args.target, max_examples=args.max_examples, seed=args.seed,
+            tp=args.tp or fuzz.DEFAULT_TP, cp=args.cp or fuzz.DEFAULT_CP, layouts=args.layout,
+            nproc=args.nproc, max_shrinks=args.max_shrinks, timeout=args.timeout,
+            lockstep=not args.no_lockstep, backend=args.backend, progress=progress, on_start=on_start,
+        )
+    except KeyboardInterrupt:
+        progress.close()
+        found = "; a failure was seen but not shrunk, nothing written" if progress.failed else ""
+        print(f"shardcheck: interrupted after {progress.runs} scenarios{found}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    progress.close()
+    minimal = result.minimal_scenario()
+    written = replay = None
+    if minimal is not None:
+        try:
+            with open(out, "w") as fh:  # one field a line: readable, and diffs well
+                fields = sorted(minimal.to_dict().items())
+                fh.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in fields) + "\n}\n")
+        except OSError as exc:
+            raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
+        written = out
+        replay = replay_command(args.target, out, args.slime_src)
+    print(summary(result, written, replay, minimal), flush=True)
     return result.exit_code
 
 

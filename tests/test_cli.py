@@ -72,11 +72,22 @@ def test_bad_scenario_file(tmp_path, content, fragment):
         (["run", "--nproc", "0"], "--nproc must be >= 1"),
         (["run", "--timeout", "abc"], "invalid float value"),
         (["run", "--json-report", "/nonexistent-dir/r.json"], "cannot write the JSON report"),
+        (["run", "--backend", "mpi"], "invalid choice: 'mpi'"),
+        (["fuzz", "--backend", "mpi"], "invalid choice: 'mpi'"),
         (["frobnicate"], "invalid choice"),
     ],
 )
 def test_bad_options(args, fragment):
     _one_line_error(run_cli(*args), fragment)
+
+
+@pytest.mark.parametrize("command", ["run", "fuzz"])
+def test_nccl_without_cuda_is_one_line(command):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here: nccl may be had")
+    _one_line_error(run_cli(command, "--backend", "nccl", "--nproc", "1"), "--backend nccl needs CUDA")
 
 
 def test_missing_scenario_file():

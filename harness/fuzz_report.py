@@ -1,0 +1,90 @@
+"""What ``shardcheck fuzz`` shows: a progress line per scenario run (live on a terminal) and a
+summary: how many ran, the failure found, its minimal scenario, the file written, the replay."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from typing import TextIO
+
+from shardcheck.harness.fuzz import Event, FuzzResult
+from shardcheck.harness.report import MAX_FAILURES_SHOWN, clip, rank_list, terminal_width
+from shardcheck.scenarios.scenario import Scenario
+
+
+class Progress:
+    def __init__(self, err: TextIO = sys.stderr, quiet: bool = False) -> None:
+        self.err, self.quiet = err, quiet
+        self.live = err.isatty()
+        self.runs = 0
+        self.failed = False
+
+    def __call__(self, event: Event) -> None:
+        self.runs = event.number
+        self.failed = self.failed or event.verdict.status == "fail"
+        if self.quiet:
+            return
+        stage = "shrink" if event.shrinking else "search"
+        v = event.verdict
+        line = f"[{event.number:>4}] {event.elapsed:6.1f}s {stage} {v.status:<4} {v.scenario.summary()}"
+        if self.live:
+            print("\r\033[K" + line[: terminal_width() - 1], end="", file=self.err, flush=True)
+        else:
+            print(line, file=self.err, flush=True)
+
+    def close(self) -> None:
+        if self.live and not self.quiet and self.runs:
+            print(file=self.err)
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def header(target: str, seed: int, nproc: int, pairs: list[tuple[int, int]], layouts: list[str]) -> str:
+    grid = " ".join(f"{t}x{c}" for t, c in pairs)
+    return (f"shardcheck fuzz: target {target}, seed {seed}, {_n(nproc, 'rank')}, tp x cp {grid}, "
+            f"layouts {','.join(layouts)}")
+
+
+def replay_command(target: str, path: str, slime_src: str | None = None) -> str:
+    cmd = ["shardcheck", "run", "--target", target, "--scenario-file", path]
+    if slime_src:
+        cmd += ["--slime-src", slime_src]
+    return shlex.join(cmd)
+
+
+def summary(result: FuzzResult, written: str | None, replay: str | None, minimal: Scenario | None) -> str:
+    lines = []
+    rate = 60 * result.runs / result.scenario_seconds if result.scenario_seconds > 0 else 0.0
+    start = sum(result.startup_seconds)
+    timing = (f"{_n(result.runs, 'scenario')} run in {result.scenario_seconds:.1f}s ({rate:.0f} scenarios/min"
+              + (f"; world start-up {start:.1f}s, not counted" if result.startup_seconds else "") + ")")
+    c = result.counts
+    if result.failure is None or minimal is None:
+        lines.append(f"no failure found in {_n(result.searched, 'scenario')} ({c['pass']} passed, {c['skip']} skipped)")
+        lines.append(timing)
+        return "\n".join(lines)
+    v = result.failure
+    shrunk = f"shrunk in {_n(result.shrink_runs, 'more run')}" + (
+        " (shrink budget spent: the smallest failure so far)" if result.shrink_budget_spent else "")
+    lines.append(f"FAILURE found after {_n(result.searched, 'scenario')}; {shrunk}")
+    if result.flaky:
+        lines.append("  (hypothesis saw the minimal scenario pass when it replayed it: the failure may be flaky)")
+    lines.append(f"minimal failing scenario: {minimal.summary()}  [{', '.join(v.kinds)}]")
+    for f in v.failures[:MAX_FAILURES_SHOWN]:
+        phase = f" in {f.phase}" if f.phase else ""
+        lines.append(f"  {f.kind}{phase} [ranks {rank_list(f.ranks)}]: {clip(f.message, 400)}")
+    if len(v.failures) > MAX_FAILURES_SHOWN:
+        lines.append(f"  ... {len(v.failures) - MAX_FAILURES_SHOWN} more")
+    data = minimal.to_dict()
+    data.pop("description")
+    lines.append("  " + json.dumps(data, sort_keys=True))
+    if result.first_failure is not None and result.first_failure.scenario.key != v.scenario.key:
+        lines.append(f"first found as: {result.first_failure.scenario.summary()}")
+    if written:
+        lines.append(f"written to {written}")
+        lines.append(f"replay: {replay}")
+    lines.append(timing)
+    return "\n".join(lines)
