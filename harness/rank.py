@@ -164,6 +164,11 @@ class RankRunner:
             self._stop(what)
         finally:
             calls = trace.stop()
+        if not described and target in self._targets:  # a failed run still names what it ran
+            try:
+                described = self._targets[target].describe()
+            except Exception:  # noqa: BLE001  (the report keeps the controller's description)
+                pass
         # Without lockstep a raise may leave peers mid-collective; with it, only a failure inside
         # the backend can. The controller then restarts the world before the next scenario.
         desync = trace.backend_failed() or (raised and lockstep is None)

@@ -80,8 +80,14 @@ class RaiseOnCpRank1(BuiltinTarget):
     """builtin, but CP rank 1 raises before its first collective"""
 
     name = "plants:RaiseOnCpRank1"
+    computed = False
+
+    def describe(self) -> dict:
+        # what a target learns only on the ranks (slime: its era, the stubs it needed)
+        return {**super().describe(), "seen_on_a_rank": self.computed}
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
+        self.computed = True
         if inputs.cp_rank == 1:
             raise RuntimeError("planted failure on cp rank 1")
         return super().compute(inputs)

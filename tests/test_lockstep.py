@@ -91,7 +91,9 @@ def test_one_extra_call_on_one_rank_is_caught_through_every_route(world, route, 
 def test_a_rank_that_raises_is_named_with_where_its_peers_wait(world):
     sc = Scenario("ag", (Sample(11, 4), Sample(19, 9)), vocab=16, cp=2, layout="allgather", seed=3)
     starts = len(world.startup_seconds)
-    [v] = _run(world, "plants:RaiseOnCpRank1", [sc]).verdicts
+    result = _run(world, "plants:RaiseOnCpRank1", [sc])
+    assert result.info["target"].get("seen_on_a_rank"), "a failed run still reports the ranks' description"
+    [v] = result.verdicts
     f = v.failures[0]
     assert f.kind == "rank_error"
     assert "planted failure on cp rank 1" in f.message and "plants.py" in f.message
