@@ -82,7 +82,7 @@ def test_edges_are_where_ranks_and_chunks_split_a_sample():
 def test_the_edge_bias_finds_the_planted_condition_often():
     drawn = []
 
-    @settings(max_examples=300, deadline=None, database=None)
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True)  # a rate: no flake
     @given(scenarios(tp=1, cp=(2, 4), layout="zigzag", max_total=1024))
     def collect(sc):
         drawn.append(sc)
@@ -92,12 +92,15 @@ def test_the_edge_bias_finds_the_planted_condition_often():
 
 
 def test_shrinking_heads_for_fewest_samples_shortest_lengths_smallest_vocab():
-    quiet = settings(database=None, max_examples=2000)
+    # derandomized: a random search can stop in a local minimum (the seed 3 case of the benchmark)
+    quiet = settings(database=None, max_examples=2000, derandomize=True)
     two = find(scenarios(ranks=4), lambda sc: len(sc.samples) >= 2, settings=quiet)
     assert two.samples == (Sample(2, 1), Sample(2, 1)) and (two.vocab, two.tp, two.cp, two.layout) == (1, 1, 1, "thd")
     planted = find(scenarios(ranks=4), _planted, settings=quiet)
-    # 12 is the shortest total with chunks of 3 rows at cp 2; response 1 would start mid-chunk
-    assert planted.samples == (Sample(12, 2),) and (planted.vocab, planted.tp, planted.cp) == (1, 1, 2)
+    # 12 is the shortest total with chunks of 3 rows at cp 2 ([12/2]); the shrinker guarantees a
+    # local minimum only (no smaller length keeps the condition between [20/4] and [12/2])
+    [sample] = planted.samples
+    assert _planted(planted) and sample.total <= 24 and (planted.vocab, planted.tp, planted.cp) == (1, 1, 2)
     assert (planted.log_probs_chunk_size, planted.with_entropy, planted.temperature) == (-1, False, 1.0)
 
 
