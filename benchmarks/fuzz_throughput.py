@@ -26,20 +26,10 @@ import time
 from hypothesis import HealthCheck, given, settings
 
 from shardcheck.harness import fuzz, runner
+from shardcheck.harness.report import SilentReport
 from shardcheck.harness.world import World
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.strategies import scenarios
-
-
-class _Quiet:
-    def start(self, info, scenarios):
-        pass
-
-    def add(self, verdict):
-        pass
-
-    def finish(self, info):
-        pass
 
 
 def _planted(sc: Scenario) -> bool:
@@ -96,7 +86,7 @@ def main() -> None:
 
         batch = [sc.__class__(**{**sc.to_dict(), "name": f"s{i}"}) for i, sc in enumerate(ran)]
         t1 = time.perf_counter()
-        suite = runner.run(batch, "builtin", reporter=_Quiet(), world=world)
+        suite = runner.run(batch, "builtin", reporter=SilentReport(), world=world)
         suite_seconds = time.perf_counter() - t1
         assert suite.exit_code == 0
 

@@ -18,20 +18,10 @@ import statistics
 import time
 
 from shardcheck.harness import runner
+from shardcheck.harness.report import SilentReport
 from shardcheck.harness.world import World
 from shardcheck.scenarios import get_suite
 from shardcheck.targets.mutants import MUTANTS
-
-
-class _Quiet:
-    def start(self, info, scenarios):
-        pass
-
-    def add(self, verdict):
-        pass
-
-    def finish(self, info):
-        pass
 
 
 def _smoke(lockstep: bool, detail: bool, repeat: int) -> dict[str, float]:
@@ -45,7 +35,7 @@ def _smoke(lockstep: bool, detail: bool, repeat: int) -> dict[str, float]:
             scenario_times = []
             for _ in range(repeat):
                 t1 = time.perf_counter()
-                result = runner.run(get_suite("smoke"), "builtin", reporter=_Quiet(), world=world)
+                result = runner.run(get_suite("smoke"), "builtin", reporter=SilentReport(), world=world)
                 scenario_times.append(time.perf_counter() - t1)
                 if result.exit_code != 0:
                     raise SystemExit(f"smoke failed (lockstep={lockstep}, detail={detail})")
@@ -65,7 +55,7 @@ def _detection() -> list[tuple[str, str, float, float]]:
         for name, cls in MUTANTS.items():
             if cls.expected[0] != "collective_mismatch":
                 continue
-            result = runner.run(get_suite("regressions"), f"builtin:{name}", reporter=_Quiet(), world=world)
+            result = runner.run(get_suite("regressions"), f"builtin:{name}", reporter=SilentReport(), world=world)
             found = [f for v in result.verdicts for f in v.failures if f.kind == "collective_mismatch"]
             for v in result.verdicts:
                 for f in v.failures:

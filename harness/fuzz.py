@@ -18,7 +18,6 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import seed as hypothesis_seed
@@ -28,6 +27,7 @@ from hypothesis.errors import Flaky, Unsatisfiable
 from shardcheck.errors import BadInput
 from shardcheck.harness import runner
 from shardcheck.harness.backend import choose_backend
+from shardcheck.harness.report import SilentReport
 from shardcheck.harness.verdict import FAIL, PASS, SKIP, Verdict
 from shardcheck.harness.world import World
 from shardcheck.scenarios import strategies
@@ -91,17 +91,6 @@ class _Found(Exception):
     sees one bug)."""
 
 
-class _Silent:
-    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
-        pass
-
-    def add(self, verdict: Verdict) -> None:
-        pass
-
-    def finish(self, info: dict[str, Any]) -> None:
-        pass
-
-
 class _Search:
     """The property hypothesis tests: run a scenario (once: hypothesis may draw it again) and
     fail when its verdict does."""
@@ -137,7 +126,7 @@ class _Search:
         starts = len(self.world.startup_seconds)
         started = time.perf_counter()
         try:
-            [verdict] = runner.run([sc], self.target_spec, reporter=_Silent(), nproc=self.world.nproc,
+            [verdict] = runner.run([sc], self.target_spec, reporter=SilentReport(), nproc=self.world.nproc,
                                    world=self.world).verdicts
         except Exception as exc:
             self.error = exc
@@ -186,31 +175,26 @@ def plan_world(tp: Sequence[int], cp: Sequence[int], layouts: Sequence[str],
     return nproc, fitting
 
 
-def _database(path: str | None, namespace: str) -> Any:
-    """hypothesis' directory database, its keys prefixed so each target and search space has its
-    own failures (the test function, hence hypothesis' own key, is the same for all)."""
-    if path is None:
-        return None
-    prefix = hashlib.sha256(namespace.encode()).hexdigest()[:16].encode() + b"."
+class _Namespaced(ExampleDatabase):
+    """hypothesis' directory database with its keys prefixed, so each target and search space has
+    its own failures (the test function, hence hypothesis' own key, is the same for all)."""
 
-    class Namespaced(ExampleDatabase):
-        def __init__(self, inner: ExampleDatabase) -> None:
-            super().__init__()
-            self.inner = inner
+    def __init__(self, inner: ExampleDatabase, namespace: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.prefix = hashlib.sha256(namespace.encode()).hexdigest()[:16].encode() + b"."
 
-        def save(self, key: bytes, value: bytes) -> None:
-            self.inner.save(prefix + key, value)
+    def save(self, key: bytes, value: bytes) -> None:
+        self.inner.save(self.prefix + key, value)
 
-        def fetch(self, key: bytes) -> Iterable[bytes]:
-            return self.inner.fetch(prefix + key)
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return self.inner.fetch(self.prefix + key)
 
-        def delete(self, key: bytes, value: bytes) -> None:
-            self.inner.delete(prefix + key, value)
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.inner.delete(self.prefix + key, value)
 
-        def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-            self.inner.move(prefix + src, prefix + dest, value)
-
-    return Namespaced(DirectoryBasedExampleDatabase(path))
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.inner.move(self.prefix + src, self.prefix + dest, value)
 
 
 def fuzz(
@@ -274,8 +258,9 @@ def fuzz(
     active = world if world is not None else World(size, timeout=timeout, lockstep=lockstep, backend=backend)
     runs = _Search(result, target_spec, active, max_shrinks, progress)
     namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy))
+    db = _Namespaced(DirectoryBasedExampleDatabase(database), namespace) if database is not None else None
     search = settings(
-        max_examples=max_examples, deadline=None, database=_database(database, namespace),
+        max_examples=max_examples, deadline=None, database=db,
         phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), verbosity=Verbosity.quiet,
         report_multiple_bugs=False, suppress_health_check=(HealthCheck.too_slow, HealthCheck.filter_too_much),
         print_blob=False,

@@ -9,7 +9,7 @@ import sys
 from typing import TextIO
 
 from shardcheck.harness.fuzz import Event, FuzzResult
-from shardcheck.harness.report import MAX_FAILURES_SHOWN, clip, rank_list, terminal_width
+from shardcheck.harness.report import MAX_FAILURES_SHOWN, clip, rank_list, show_progress
 from shardcheck.scenarios.scenario import Scenario
 
 
@@ -28,10 +28,7 @@ class Progress:
         stage = "shrink" if event.shrinking else "search"
         v = event.verdict
         line = f"[{event.number:>4}] {event.elapsed:6.1f}s {stage} {v.status:<4} {v.scenario.summary()}"
-        if self.live:
-            print("\r\033[K" + line[: terminal_width() - 1], end="", file=self.err, flush=True)
-        else:
-            print(line, file=self.err, flush=True)
+        show_progress(self.err, line, self.live)
 
     def close(self) -> None:
         if self.live and not self.quiet and self.runs:

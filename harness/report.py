@@ -83,10 +83,7 @@ class TerminalReport:
         c = _counts(self.verdicts)
         line = (f"[{len(self.verdicts):>{len(str(self.total))}}/{self.total}] {time.perf_counter() - self.t0:6.1f}s "
                 f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {verdict.scenario.name}")
-        if self.live:
-            print("\r\033[K" + line[:terminal_width() - 1], end="", file=self.err, flush=True)
-        else:
-            print(line, file=self.err, flush=True)
+        show_progress(self.err, line, self.live)
 
     def finish(self, info: dict[str, Any]) -> None:
         if self.live and not self.quiet:
@@ -149,6 +146,27 @@ def _target_line(target: dict[str, Any]) -> str:
     if target.get("args_read_but_not_set"):
         line += f"; args read but not set: {', '.join(target['args_read_but_not_set'])}"
     return line
+
+
+class SilentReport:
+    """A reporter that shows nothing: for callers that read the verdicts themselves."""
+
+    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
+        pass
+
+    def add(self, verdict: Verdict) -> None:
+        pass
+
+    def finish(self, info: dict[str, Any]) -> None:
+        pass
+
+
+def show_progress(err: TextIO, line: str, live: bool) -> None:
+    """A progress line: rewritten in place on a terminal, one line each otherwise."""
+    if live:
+        print("\r\033[K" + line[:terminal_width() - 1], end="", file=err, flush=True)
+    else:
+        print(line, file=err, flush=True)
 
 
 def rank_list(ranks: list[int]) -> str:

@@ -1,7 +1,7 @@
 """Scenarios (plain data), the data generated from them, and named suites."""
 
 from shardcheck.scenarios.scenario import CP_LAYOUTS, DTYPES, LAYOUTS, Sample, Scenario
-from shardcheck.scenarios.suites import SUITES, get_suite, load_scenario_file
+from shardcheck.scenarios.suites import SUITES, get_suite, load_scenario_file, write_scenario_file
 
 __all__ = [
     "CP_LAYOUTS",
@@ -12,4 +12,5 @@ __all__ = [
     "Scenario",
     "get_suite",
     "load_scenario_file",
+    "write_scenario_file",
 ]

@@ -51,5 +51,12 @@ def load_scenario_file(path: str | Path) -> list[Scenario]:
     return scenarios
 
 
+def write_scenario_file(path: str | Path, scenario: Scenario) -> None:
+    """A scenario file that :func:`load_scenario_file` reads back: one field a line, so it reads
+    well and diffs well."""
+    fields = sorted(scenario.to_dict().items())
+    Path(path).write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in fields) + "\n}\n")
+
+
 from shardcheck.scenarios import regressions as _regressions  # noqa: E402,F401  (registers the suites)
 from shardcheck.scenarios import smoke as _smoke  # noqa: E402,F401

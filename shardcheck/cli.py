@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shardcheck", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     r = sub.add_parser("run", help="check a target against a suite or scenario file")
-    r.add_argument("--target", default="builtin", help="NAME, NAME:VARIANT or module:callable (default: builtin)")
+    _world_options(r)
     r.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")
     r.add_argument("--scenario", action="append", default=[], metavar="NAME",
                    help="run only this scenario of the suite (repeatable)")
@@ -36,18 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json-report", metavar="FILE", help="write the report here, updated as results arrive")
     r.add_argument("--nproc", type=int, default=None,
                    help="ranks in the world (default: the least every scenario fits in)")
-    r.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a scenario may take before its ranks are declared hung (default: 60)")
-    r.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="torch.distributed backend: nccl (one GPU per rank), gloo (CPU), or auto: nccl when "
-                        "every rank gets a GPU, else gloo (default: auto)")
-    r.add_argument("--slime-src", metavar="DIR",
-                   help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
-    r.add_argument("--no-lockstep", action="store_true",
-                   help="trace collectives without the lockstep check; a hang then lasts until --timeout")
     r.add_argument("--trace", action="store_true",
                    help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
-    r.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     b = sub.add_parser("bisect", help="find the first slime commit where a suite's verdict changes")
     b.add_argument("--target", default="slime", help="a target that reads SHARDCHECK_SLIME_SRC (default: slime)")
     b.add_argument("--slime-repo", required=True, metavar="GIT_DIR", help="a slime git repository (only read)")
@@ -57,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--scenario", action="append", default=[], metavar="NAME", help="only these scenarios")
     b.add_argument("--timeout", type=float, default=60.0, help="seconds a scenario may take (default: 60)")
     f = sub.add_parser("fuzz", help="search for a failing scenario with hypothesis, shrink it, write it")
-    f.add_argument("--target", default="builtin", help="NAME, NAME:VARIANT or module:callable (default: builtin)")
+    _world_options(f)
     f.add_argument("--max-examples", type=int, default=100, metavar="N",
                    help="scenarios hypothesis draws before it gives up looking (default: 100)")
     f.add_argument("--seed", type=int, default=None, metavar="S",
@@ -75,18 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scenarios run while shrinking a failure, at most (default: 300)")
     f.add_argument("--out", default=None, metavar="FILE",
                    help="where the minimal failing scenario is written (default: .shardcheck/fuzz-failure.json)")
-    f.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a scenario may take before its ranks are declared hung (default: 60)")
-    f.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="torch.distributed backend: nccl, gloo, or auto (default: auto, as for run)")
-    f.add_argument("--slime-src", metavar="DIR",
-                   help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
-    f.add_argument("--no-lockstep", action="store_true",
-                   help="trace collectives without the lockstep check; a hang then lasts until --timeout")
-    f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     sub.add_parser("suites", help="list the named suites")
     sub.add_parser("targets", help="list the registered targets")
     return p
+
+
+def _world_options(p: argparse.ArgumentParser) -> None:
+    """The options of every command that checks a target on a world it starts (run, fuzz)."""
+    p.add_argument("--target", default="builtin", help="NAME, NAME:VARIANT or module:callable (default: builtin)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a scenario may take before its ranks are declared hung (default: 60)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="torch.distributed backend: nccl (one GPU per rank), gloo (CPU), or auto: nccl when "
+                        "every rank gets a GPU, else gloo (default: auto)")
+    p.add_argument("--slime-src", metavar="DIR",
+                   help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
+    p.add_argument("--no-lockstep", action="store_true",
+                   help="trace collectives without the lockstep check; a hang then lasts until --timeout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+
+def _use_slime_src(args: argparse.Namespace) -> None:
+    if args.slime_src:
+        from shardcheck.targets.slime import ENV, slime_source
+
+        os.environ[ENV] = str(slime_source(args.slime_src))  # the ranks inherit it
 
 
 def _int_list(text: str) -> list[int]:
@@ -151,10 +154,7 @@ def _run(args: argparse.Namespace) -> int:
         raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
     if not args.timeout > 0:
         raise BadInput(f"--timeout must be > 0, got {args.timeout}")
-    if args.slime_src:
-        from shardcheck.targets.slime import ENV, slime_source
-
-        os.environ[ENV] = str(slime_source(args.slime_src))  # the ranks inherit it
+    _use_slime_src(args)
     scenarios = _select(args)
     json_report = None
     if args.json_report:
@@ -184,15 +184,11 @@ def _writable(path: str) -> None:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    import json
-
     from shardcheck.harness import fuzz
     from shardcheck.harness.fuzz_report import Progress, header, replay_command, summary
+    from shardcheck.scenarios import write_scenario_file
 
-    if args.slime_src:
-        from shardcheck.targets.slime import ENV, slime_source
-
-        os.environ[ENV] = str(slime_source(args.slime_src))  # the ranks inherit it
+    _use_slime_src(args)
     out = args.out or fuzz.DEFAULT_OUT
     progress = Progress(quiet=args.quiet)
 
@@ -218,9 +214,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     written = replay = None
     if minimal is not None:
         try:
-            with open(out, "w") as fh:  # one field a line: readable, and diffs well
-                fields = sorted(minimal.to_dict().items())
-                fh.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in fields) + "\n}\n")
+            write_scenario_file(out, minimal)
         except OSError as exc:
             raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
         written = out

@@ -84,8 +84,9 @@ class ShardcheckSession:
     def run(self, scenario: Any, target: str | None = None) -> Any:
         """The scenario's :class:`~shardcheck.harness.verdict.Verdict` (pass, fail or skip)."""
         from shardcheck.harness import runner
+        from shardcheck.harness.report import SilentReport
 
-        result = runner.run([scenario], target or self.target, reporter=_Quiet(), world=self.world)
+        result = runner.run([scenario], target or self.target, reporter=SilentReport(), world=self.world)
         return result.verdicts[0]
 
     def check(self, scenario: Any, target: str | None = None) -> Any:
@@ -100,17 +101,6 @@ class ShardcheckSession:
             # first line: the kind and where, which junit shows as the failure message
             pytest.fail(f"{verdict.headline()}\n{render_failure(verdict)}", pytrace=False)
         return verdict
-
-
-class _Quiet:
-    def start(self, info: dict[str, Any], scenarios: list[Any]) -> None:
-        pass
-
-    def add(self, verdict: Any) -> None:
-        pass
-
-    def finish(self, info: dict[str, Any]) -> None:
-        pass
 
 
 @pytest.fixture(scope="session")

@@ -6,30 +6,5 @@
 The strategies live in :mod:`shardcheck.scenarios.strategies`; this is the short public name.
 """
 
-from shardcheck.scenarios.strategies import (
-    boundary_positions,
-    chunk_sizes,
-    coarsen_chunk_size,
-    entropy_settings,
-    layout_fits,
-    layouts,
-    lengths,
-    samples,
-    scenarios,
-    temperatures,
-    vocabs,
-)
-
-__all__ = [
-    "boundary_positions",
-    "chunk_sizes",
-    "coarsen_chunk_size",
-    "entropy_settings",
-    "layout_fits",
-    "layouts",
-    "lengths",
-    "samples",
-    "scenarios",
-    "temperatures",
-    "vocabs",
-]
+from shardcheck.scenarios.strategies import *  # noqa: F401,F403  (the names its __all__ lists)
+from shardcheck.scenarios.strategies import __all__  # noqa: F401

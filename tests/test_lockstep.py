@@ -4,22 +4,12 @@ import pytest
 
 from plants import ROUTES
 from shardcheck.harness import runner
+from shardcheck.harness.report import SilentReport
 from shardcheck.harness.world import World
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.targets.mutants import MUTANTS
 
 pytestmark = pytest.mark.world
-
-
-class _Collect:
-    def start(self, info, scenarios):
-        self.info = info
-
-    def add(self, verdict):
-        pass
-
-    def finish(self, info):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +19,7 @@ def world():
 
 
 def _run(world, target, scenarios):
-    return runner.run(scenarios, target, reporter=_Collect(), world=world)
+    return runner.run(scenarios, target, reporter=SilentReport(), world=world)
 
 
 def test_builtin_passes_the_regressions(world):
@@ -115,7 +105,7 @@ def test_a_rank_that_dies_is_named_and_the_world_restarts(world):
 def test_the_trace_sees_every_route_in_forward_and_backward(world):
     """Every route reaches the one interception point, with the right op, group and phase; and the
     lockstep check passes them all (no false positive on uneven or point-to-point calls)."""
-    result = runner.run([TP2], "plants:AllRoutes", reporter=_Collect(), world=world, trace=True)
+    result = runner.run([TP2], "plants:AllRoutes", reporter=SilentReport(), world=world, trace=True)
     [v] = result.verdicts
     assert v.status == "pass", v.headline()
     calls = v.traces[0]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from shardcheck.harness import runner, shard
+from shardcheck.harness.report import SilentReport
 from shardcheck.harness.layout import rank_layout
 from shardcheck.harness.world import World
 from shardcheck.scenarios import Sample, Scenario, get_suite
@@ -53,17 +54,6 @@ def test_policy_batch_holds_the_share_and_the_truth():
     assert torch.equal(batch.advantages[0], data.advantages(0)[list(layout.share[0])])
 
 
-class _Collect:
-    def start(self, info, scenarios):
-        pass
-
-    def add(self, verdict):
-        pass
-
-    def finish(self, info):
-        pass
-
-
 @pytest.fixture(scope="module")
 def world():
     with World(4, timeout=20) as w:
@@ -71,7 +61,7 @@ def world():
 
 
 def _run(world, target, scenarios):
-    return runner.run(scenarios, target, reporter=_Collect(), world=world)
+    return runner.run(scenarios, target, reporter=SilentReport(), world=world)
 
 
 @pytest.mark.world
