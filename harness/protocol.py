@@ -1,12 +1,15 @@
 """The channel between the controller and the ranks: ``(name, kwargs)`` messages of plain data.
 
 Controller -> rank:
-    run   scenario (dict), target (spec str), seq (int), trace_calls (bool)   run one scenario
+    run   scenario (dict), target (spec str), seq (int), trace_calls (bool), inplace (bool: check
+          the inputs stay unchanged), outputs (bool: send the target's outputs back), reference (bool:
+          compare with the float64 reference)                       run one scenario
     stop                                                   leave the loop and exit
 Rank -> controller (the controller adds who sent it on arrival):
     ready   pid, seconds                                   joined the world, waiting for work
     result  seq, failures (list of dicts), max_error, seconds, target (dict), notes (peers'
-            stops), desync (groups may be out of step), calls (count), trace (call records)
+            stops), desync (groups may be out of step), calls (count), trace (call records),
+            outputs (the target's outputs and logit gradient, when asked for; else None)
     fatal   error (dict)                                   cannot go on; the rank exits
 """
 

@@ -124,7 +124,12 @@ class RankRunner:
             self._targets[spec] = resolve(spec)
         return self._targets[spec]
 
-    def run(self, scenario: dict[str, Any], target: str, seq: int, trace_calls: bool = False) -> dict[str, Any]:
+    def run(self, scenario: dict[str, Any], target: str, seq: int, trace_calls: bool = False,
+            inplace: bool = True, outputs: bool = False, reference: bool = True) -> dict[str, Any]:
+        """One scenario on this rank. ``inplace``: check that the target leaves its inputs (and
+        the gradients fed to its outputs) unchanged; ``outputs``: send back the target's own
+        outputs and logit gradient, bit for bit (the invariance check compares them);
+        ``reference``: compare values and gradient with the float64 reference."""
         from shardcheck.harness import protocol, trace
         from shardcheck.harness.lockstep import CollectiveMismatch, LockstepTimeout, PeerStopped
         from shardcheck.harness.verdict import COLLECTIVE_MISMATCH, RANK_ERROR, Failure
@@ -134,10 +139,10 @@ class RankRunner:
         if lockstep is not None:
             lockstep.begin(seq, scenario.get("name", "?"))
         trace.start(lockstep.check if lockstep is not None else None)
-        failures, errors, described, notes = [], {}, {}, []
+        failures, errors, described, notes, produced = [], {}, {}, [], None
         raised = False
         try:
-            failures, errors, described = self._run(scenario, target)
+            failures, errors, described, produced = self._run(scenario, target, inplace, outputs, reference)
             if lockstep is not None:
                 lockstep.finish()
         except CollectiveMismatch as exc:
@@ -183,6 +188,8 @@ class RankRunner:
             "calls": len(calls.calls) if calls is not None else 0,
             # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
             "trace": _trace_payload(calls, trace_calls, bool(failures or notes)),
+            # the target's outputs as raw data (only when asked for, and only when it ran through)
+            "outputs": produced,
         }
 
     def _stop(self, reason: str) -> None:
@@ -192,13 +199,16 @@ class RankRunner:
             except Exception:  # noqa: BLE001  (the store is gone: peers will time out, bounded)
                 pass
 
-    def _run(self, scenario_dict: dict[str, Any], spec: str) -> tuple[list, dict, dict]:
+    def _run(self, scenario_dict: dict[str, Any], spec: str, inplace: bool, want_outputs: bool,
+             reference: bool) -> tuple[list, dict, dict, dict | None]:
         import torch
 
         from shardcheck.harness import groups, shard
         from shardcheck.harness.compare import compare_grad, compare_loss, compare_outputs
+        from shardcheck.harness.inplace import InputGuard, guard_gradients, guard_inputs
         from shardcheck.harness.layout import rank_layout
-        from shardcheck.harness.loss import share_loss
+        from shardcheck.harness.loss import policy_gradients, share_gradients
+        from shardcheck.harness.outputs import rank_outputs
         from shardcheck.scenarios import Scenario
         from shardcheck.scenarios.data import ScenarioData
         from shardcheck.targets import RankInputs, loss_form
@@ -209,9 +219,10 @@ class RankRunner:
         layout = rank_layout(sc, groups.tp_rank(), groups.cp_rank())
         form = loss_form(target)
         data = ScenarioData(sc, loss=form)
-        logits = shard.local_logits(data, layout).to(self.device).requires_grad_()
+        leaf = shard.local_logits(data, layout).to(self.device).requires_grad_()
         inputs = RankInputs(
-            logits=logits,
+            # a non-leaf activation, as a model's output is: autograd lets a target write into it
+            logits=leaf.clone(),
             tokens=[data.tokens(i) for i in range(len(sc.samples))],
             total_lengths=[s.total for s in sc.samples],
             response_lengths=[s.response for s in sc.samples],
@@ -230,24 +241,36 @@ class RankRunner:
             rank_layout=layout,
             policy=shard.policy_batch(data, layout) if form == "policy" else None,
         )
-        outputs = target.compute(inputs)
+        guard = guard_inputs(self.rank, layout, data, inputs, leaf) if inplace else InputGuard(self.rank)
+        with guard.writes_watch():
+            outputs = target.compute(inputs)
+        failures = guard.check("forward")
         entropy = outputs.entropy if sc.with_entropy else None
         # the reference runs where the rank computes: on its GPU under nccl, in row chunks
         ref_device = self.device if getattr(self.device, "type", "cpu") == "cuda" else None
-        failures, errors = compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device)
+        errors: dict[str, float] = {}
+        if reference:
+            found, errors = compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device)
+            failures += found
         if form == "policy":
-            loss = outputs.loss
-            loss_failures, loss_errors = compare_loss(layout, data, loss, self.rank, ref_device)
-            failures, errors = failures + loss_failures, errors | loss_errors
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                loss = torch.zeros(())  # reported above; peers still run their backward
-            loss = loss.reshape(())
+            if reference:
+                loss_failures, loss_errors = compare_loss(layout, data, outputs.loss, self.rank, ref_device)
+                failures, errors = failures + loss_failures, errors | loss_errors
+            # a malformed loss is reported above; the rank has nothing to differentiate, and its
+            # peers' backward collectives then show the asymmetry
+            fed = policy_gradients(outputs.loss)
         else:
             # Differentiate whatever is well formed, so a malformed output on one rank does not
             # leave its peers alone in a backward collective.
-            loss = share_loss(outputs.log_probs, entropy, shard.share_weights(data, layout), sc.entropy_coef)
-        if loss.requires_grad:
-            loss.backward()
-        grad = logits.grad if logits.grad is not None else torch.zeros_like(logits)
-        grad_failures, grad_errors = compare_grad(layout, data, grad, self.rank, ref_device)
-        return failures + grad_failures, errors | grad_errors, target.describe()
+            fed = share_gradients(outputs.log_probs, entropy, shard.share_weights(data, layout), sc.entropy_coef)
+        if inplace:
+            guard_gradients(guard, layout, fed)
+        if fed:
+            with guard.writes_watch():
+                torch.autograd.backward([f.output for f in fed], [f.grad for f in fed])
+        failures += guard.check("backward")
+        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        grad_failures, grad_errors = (compare_grad(layout, data, grad, self.rank, ref_device) if reference
+                                      else ([], {}))
+        produced = rank_outputs(layout, outputs.log_probs, entropy, grad) if want_outputs else None
+        return failures + grad_failures, errors | grad_errors, target.describe(), produced

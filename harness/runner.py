@@ -47,6 +47,7 @@ def run(
     trace: bool = False,
     world: World | None = None,
     backend: str = "gloo",
+    inplace: bool = True,
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
 
@@ -54,7 +55,7 @@ def run(
     checked: replicas that disagree are a finding too. ``trace`` puts every rank's collective
     calls in each verdict (a failing one always carries the calls leading up to it).
     ``backend`` (gloo, nccl or auto) is that of the world started here (a given ``world`` has
-    its own).
+    its own). ``inplace`` checks that the target leaves its inputs unchanged (``input_mutated``).
     """
     target: Target = resolve(target_spec)
     t0 = time.perf_counter()
@@ -86,7 +87,7 @@ def run(
         # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
         for sc in sorted(runnable, key=lambda s: (s.tp, s.cp)):
             started = time.perf_counter()
-            results = world.run(sc.to_dict(), target_spec, trace=trace)
+            results = world.run(sc.to_dict(), target_spec, trace=trace, inplace=inplace)
             verdict = merge(sc, results, time.perf_counter() - started)
             if results and results[0].get("target"):
                 info["target"] = results[0]["target"]

@@ -258,11 +258,11 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
-def call_stack(depth: int = STACK_DEPTH) -> list[str]:
+def call_stack(depth: int = STACK_DEPTH, frame: Any = None) -> list[str]:
     """``file:line`` of the innermost frames outside torch and the harness (the code under test),
-    innermost first."""
+    innermost first, from ``frame`` outwards (default: the caller's caller)."""
     out = []
-    frame = sys._getframe(2)
+    frame = frame if frame is not None else sys._getframe(2)
     while frame is not None and len(out) < depth:
         path = frame.f_code.co_filename
         if not (path.startswith(_SKIPPED) or path.startswith("<")):

@@ -13,7 +13,9 @@ VALUE_MISMATCH = "value_mismatch"
 GRAD_MISMATCH = "grad_mismatch"
 RANK_ERROR = "rank_error"
 COLLECTIVE_MISMATCH = "collective_mismatch"
-KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH)
+INPUT_MUTATED = "input_mutated"
+INVARIANCE_VIOLATION = "invariance_violation"
+KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION)
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 
@@ -27,8 +29,8 @@ class Failure:
     kind: str
     message: str
     ranks: list[int] = _field(default_factory=list)
-    field: str | None = None  # log_probs | entropy | loss | grad
-    phase: str | None = None  # forward | backward, for collective mismatches
+    field: str | None = None  # log_probs | entropy | loss | grad; the input, for input_mutated
+    phase: str | None = None  # forward | backward, for collective mismatches and input_mutated
     sample: int | None = None
     token: int | None = None
     position: int | None = None

@@ -149,10 +149,12 @@ class World:
         self.start()
 
     # -- work -------------------------------------------------------------------------------
-    def run(self, scenario: dict[str, Any], target: str, trace: bool = False) -> list[dict[str, Any]]:
+    def run(self, scenario: dict[str, Any], target: str, trace: bool = False, *, inplace: bool = True,
+            outputs: bool = False, reference: bool = True) -> list[dict[str, Any]]:
         """Run one scenario on every rank; one result dict per rank, always, within the timeout.
 
         A rank that raised, died or hung comes back as a result holding a ``rank_error``.
+        ``inplace``, ``outputs`` and ``reference`` are the rank's checks (see ``RankRunner.run``).
         """
         if not self._healthy:
             if self.started:
@@ -161,7 +163,8 @@ class World:
         self._seq += 1
         seq = self._seq
         for conn in self._conns:
-            conn.send(protocol.message(protocol.RUN, scenario=scenario, target=target, seq=seq, trace_calls=trace))
+            conn.send(protocol.message(protocol.RUN, scenario=scenario, target=target, seq=seq, trace_calls=trace,
+                                       inplace=inplace, outputs=outputs, reference=reference))
         results: dict[int, dict[str, Any]] = {}
         deadline = time.perf_counter() + self.timeout + 10.0  # ranks time out first, by themselves
         while len(results) < self.nproc:

@@ -2,8 +2,10 @@
 
 Every rank generates only what it holds, and the same row always gets the same values wherever
 it is generated: rows come in fixed blocks, each drawn from a generator keyed by
-(seed, stream, block). A stream is a sample (its positions past the sample's end are padding) or
-the tail padding of the packed all-gather sequence.
+(seed, stream identity, block). A stream is a sample (its positions past the sample's end are
+padding) or the tail padding of the packed all-gather sequence. A sample's identity is its
+``data_id`` (default: its index), not its place in the batch, so a sample moved to another place,
+packed with other samples or alone, carries the same tokens, logits and weights.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import hashlib
 
 import torch
 
-from shardcheck.scenarios.scenario import Scenario
+from shardcheck.scenarios.scenario import Scenario, data_id
 
 BLOCK_ROWS = 64
 LOGIT_SCALE = 2.0
@@ -55,7 +57,7 @@ class ScenarioData:
         """The sample's token ids, int64 ``[total]``."""
         if sample not in self._token_cache:
             s = self.scenario
-            g = _generator(s.seed, "tokens", sample)
+            g = _generator(s.seed, "tokens", data_id(s, sample))
             total = s.samples[sample].total
             self._token_cache[sample] = torch.randint(0, s.vocab, (total,), generator=g, dtype=torch.int64)
         return self._token_cache[sample].clone()
@@ -75,13 +77,14 @@ class ScenarioData:
 
     def _block(self, stream: int, block: int) -> torch.Tensor:
         s = self.scenario
-        g = _generator(s.seed, "logits", stream, block)
-        rows = torch.randn((BLOCK_ROWS, s.vocab), generator=g, dtype=torch.float32)
         positions = torch.arange(block * BLOCK_ROWS, (block + 1) * BLOCK_ROWS)
         if stream == self.tail_stream:
+            g = _generator(s.seed, "logits", "tail", block)
             is_pad = torch.ones(BLOCK_ROWS, dtype=torch.bool)
         else:
+            g = _generator(s.seed, "logits", data_id(s, stream), block)
             is_pad = positions >= s.samples[stream].total
+        rows = torch.randn((BLOCK_ROWS, s.vocab), generator=g, dtype=torch.float32)
         scale = torch.where(is_pad, PAD_SCALE, LOGIT_SCALE).unsqueeze(1)
         return (rows * scale).to(self.dtype)
 
@@ -100,18 +103,18 @@ class ScenarioData:
             denom = mask.sum().clamp_min(1)
             return -self.advantages(sample) * mask / denom, mask / denom
         s = self.scenario
-        g = _generator(s.seed, "weights", sample)
+        g = _generator(s.seed, "weights", data_id(s, sample))
         w = torch.rand((2, s.samples[sample].response), generator=g, dtype=torch.float32) * 2 - 1
         return w[0].clone(), w[1].clone()
 
     def advantages(self, sample: int) -> torch.Tensor:
         """Per response token advantages, float32 in [-1, 1] (the policy loss form)."""
         s = self.scenario
-        g = _generator(s.seed, "advantages", sample)
+        g = _generator(s.seed, "advantages", data_id(s, sample))
         return torch.rand(s.samples[sample].response, generator=g, dtype=torch.float32) * 2 - 1
 
     def loss_mask(self, sample: int) -> torch.Tensor:
         """Per response token loss mask, int32 0/1, mostly 1 (the policy loss form)."""
         s = self.scenario
-        g = _generator(s.seed, "loss_mask", sample)
+        g = _generator(s.seed, "loss_mask", data_id(s, sample))
         return (torch.rand(s.samples[sample].response, generator=g) >= MASKED_FRACTION).to(torch.int32)

@@ -22,10 +22,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class Sample:
-    """One sequence: ``total`` tokens of which the last ``response`` are scored."""
+    """One sequence: ``total`` tokens of which the last ``response`` are scored.
+
+    ``data_id`` names the data the sample carries: its tokens, logits and loss weights are drawn
+    from (scenario seed, data_id), never from its place in the batch, so the same sample packed
+    elsewhere, alone or in another order carries the same data (the invariance check needs that).
+    None: the sample's index in the scenario.
+    """
 
     total: int
     response: int
+    data_id: int | None = None
 
     @property
     def prompt(self) -> int:
@@ -56,7 +63,8 @@ class Scenario:
     # JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["samples"] = [[s.total, s.response] for s in self.samples]
+        d["samples"] = [[s.total, s.response] + ([s.data_id] if s.data_id not in (None, i) else [])
+                         for i, s in enumerate(self.samples)]
         return d
 
     @classmethod
@@ -103,11 +111,18 @@ class Scenario:
 def _as_sample(value: Any, name: str) -> Sample:
     if isinstance(value, Sample):
         return value
-    if isinstance(value, dict) and set(value) == {"total", "response"}:
-        return Sample(value["total"], value["response"])
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        return Sample(value[0], value[1])
-    raise BadInput(f"scenario {name!r}: a sample must be [total, response], got {value!r}")
+    if isinstance(value, dict) and {"total", "response"} <= set(value) <= {"total", "response", "data_id"}:
+        return Sample(value["total"], value["response"], value.get("data_id"))
+    if isinstance(value, (list, tuple)) and len(value) in (2, 3):
+        return Sample(*value)
+    raise BadInput(f"scenario {name!r}: a sample must be [total, response] or [total, response, data_id], "
+                   f"got {value!r}")
+
+
+def data_id(scenario: Scenario, index: int) -> int:
+    """The identity sample ``index`` draws its data from."""
+    d = scenario.samples[index].data_id
+    return index if d is None else d
 
 
 def _is_int(x: Any) -> bool:
@@ -129,11 +144,17 @@ def validate(s: Scenario) -> None:
             raise bad(f"sample {i}: lengths must be integers, got [{smp.total!r}, {smp.response!r}]")
         if smp.response < 1:
             raise bad(f"sample {i}: response length {smp.response} < 1")
+        if smp.data_id is not None and not (_is_int(smp.data_id) and smp.data_id >= 0):
+            raise bad(f"sample {i}: data_id must be an integer >= 0, got {smp.data_id!r}")
         if smp.response > smp.total - 1:
             raise bad(
                 f"sample {i}: response length {smp.response} > total length {smp.total} - 1 "
                 "(the prompt needs at least one token)"
             )
+    ids = [data_id(s, i) for i in range(len(s.samples))]
+    if len(set(ids)) != len(ids):
+        dup = next(x for x in ids if ids.count(x) > 1)
+        raise bad(f"two samples carry data_id {dup} (a sample's data_id defaults to its index)")
     for fname in ("vocab", "tp", "cp", "log_probs_chunk_size", "seed"):
         if not _is_int(getattr(s, fname)):
             raise bad(f"{fname} must be an integer, got {getattr(s, fname)!r}")

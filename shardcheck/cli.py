@@ -1,4 +1,4 @@
-"""``shardcheck`` command line: run, fuzz, bisect, suites, targets.
+"""``shardcheck`` command line: run, invariance, fuzz, bisect, suites, targets.
 
 Exit status: 0 every scenario passed (or was skipped), 1 some scenario failed, 2 bad input or
 configuration (one line on stderr naming the problem), 130 interrupted.
@@ -38,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--trace", action="store_true",
                    help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
+    v = sub.add_parser("invariance", help="check that each sample's outputs keep their bits however it is laid out")
+    _world_options(v)
+    v.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")
+    v.add_argument("--scenario", action="append", default=[], metavar="NAME",
+                   help="only this scenario of the suite (repeatable)")
+    v.add_argument("--scenario-file", metavar="FILE", help="JSON file with a scenario or a list of them")
+    v.add_argument("--axis", type=_name_list, default=None, metavar="LIST",
+                   help="axes to check (default: all): rerun,tp,cp,cp_mode,format,chunk,packing,order,split")
+    v.add_argument("--expect", default=None, metavar="SPEC",
+                   help="the contract, overriding the target's: AXIS=bitwise or AXIS=ulp:N, comma-separated "
+                        "(e.g. packing=bitwise,tp=ulp:8)")
+    v.add_argument("--json-report", metavar="FILE", help="write the matrix here, updated after every base scenario")
+    v.add_argument("--nproc", type=int, default=None, help="ranks in the world (default: 4, or more if a scenario needs)")
     b = sub.add_parser("bisect", help="find the first slime commit where a suite's verdict changes")
     b.add_argument("--target", default="slime", help="a target that reads SHARDCHECK_SLIME_SRC (default: slime)")
     b.add_argument("--slime-repo", required=True, metavar="GIT_DIR", help="a slime git repository (only read)")
@@ -110,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "fuzz":
             return _fuzz(args)
+        if args.command == "invariance":
+            return _invariance(args)
         if args.command == "bisect":
             return _bisect(args)
         if args.command == "suites":
@@ -165,6 +180,37 @@ def _run(args: argparse.Namespace) -> int:
     result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
                         nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
                         trace=args.trace, backend=args.backend)
+    return result.exit_code
+
+
+def _invariance(args: argparse.Namespace) -> int:
+    from shardcheck.harness.invariance import AXES, check_axes, check_invariance, parse_expect
+    from shardcheck.harness.invariance_report import InvarianceJson, InvarianceProgress, render
+
+    if args.nproc is not None and args.nproc < 1:
+        raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
+    if not args.timeout > 0:
+        raise BadInput(f"--timeout must be > 0, got {args.timeout}")
+    axes = check_axes(args.axis) if args.axis else list(AXES)
+    expect = parse_expect(args.expect)
+    _use_slime_src(args)
+    scenarios = _select(args)
+    report = None
+    if args.json_report:
+        try:
+            report = InvarianceJson(args.json_report, {"suite": args.suite or args.scenario_file or "smoke"})
+        except OSError as exc:
+            raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
+    progress = InvarianceProgress(quiet=args.quiet)
+    try:
+        result = check_invariance(scenarios, args.target, axes=axes, expect=expect, nproc=args.nproc,
+                                  timeout=args.timeout, backend=args.backend, on_run=progress,
+                                  on_base=report.write if report else None)
+    finally:
+        progress.close()
+    if report is not None:
+        report.write(result)
+    print(render(result), flush=True)
     return result.exit_code
 
 

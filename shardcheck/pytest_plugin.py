@@ -103,6 +103,31 @@ class ShardcheckSession:
         return verdict
 
 
+    def invariance(self, scenarios: Any, *, axes: Iterable[str] | None = None, expect: str | dict | None = None,
+                   target: str | None = None) -> Any:
+        """The invariance matrix of the scenarios' samples (an :class:`InvarianceResult`);
+        ``expect`` ("packing=bitwise,tp=ulp:8", or {axis: "bitwise"}) overrides the target's
+        declared contract."""
+        from shardcheck.harness.invariance import AXES, check_invariance, parse_expect
+
+        if isinstance(expect, dict):
+            expect = ",".join(f"{a}={e}" for a, e in expect.items())
+        scenarios = [scenarios] if not isinstance(scenarios, (list, tuple)) else list(scenarios)
+        return check_invariance(scenarios, target or self.target, axes=list(axes or AXES),
+                                expect=parse_expect(expect), world=self.world)
+
+    def check_invariance(self, scenarios: Any, *, axes: Iterable[str] | None = None,
+                         expect: str | dict | None = None, target: str | None = None) -> Any:
+        """Fail the test when the contract (the target's, or ``expect``) is broken on any axis;
+        the message starts with the first violation (axis, layouts, sample, token, both values)."""
+        from shardcheck.harness.invariance_report import render
+
+        result = self.invariance(scenarios, axes=axes, expect=expect, target=target)
+        if result.violations:
+            pytest.fail(f"invariance_violation: {result.violations[0].message}\n{render(result)}", pytrace=False)
+        return result
+
+
 @pytest.fixture(scope="session")
 def shardcheck_world(request: pytest.FixtureRequest) -> Any:
     """One world for the whole session: started here, or joined under torchrun."""

@@ -61,8 +61,9 @@ class PolicyBatch:
 class RankInputs:
     """What one rank hands the implementation.
 
-    ``logits`` is a leaf that requires grad: ``[1, T_local, V/tp]`` for thd, zigzag and
-    allgather, ``[B, M, V/tp]`` for bshd. ``tokens`` holds every sample's full token ids.
+    ``logits`` requires grad and is not a leaf (an op's output, as a model's logits are):
+    ``[1, T_local, V/tp]`` for thd, zigzag and allgather, ``[B, M, V/tp]`` for bshd. ``tokens``
+    holds every sample's full token ids. The harness checks that nothing here is changed.
     """
 
     logits: torch.Tensor
@@ -116,6 +117,8 @@ class Target(Protocol):
     name: str
     capabilities: Capabilities
     # optional: loss_form = "policy" (see the module docstring)
+    # optional: invariance = {"packing": "bitwise", "tp": "ulp:8", ...}, the contract that
+    # ``shardcheck invariance`` holds the target to (axes in shardcheck.harness.invariance.AXES)
 
     def describe(self) -> dict[str, Any]:
         """Name, version and anything else a report should carry."""

@@ -5,7 +5,9 @@ arguments a framework has (lengths, CP rank and size, local row count), so the h
 it rather than agreeing with itself.
 
 Per rank: log-softmax and entropy over the vocab-parallel logits in row chunks, one autograd
-function per chunk (3 all-reduces over TP, 4 with entropy); per-sample extraction for thd, bshd,
+function per chunk (over TP: the row max and the target logit by all-reduce, the sums of exp
+(and of p * s, with entropy) gathered and added in rank order, so that a row's bits do not
+depend on the rows around it); per-sample extraction for thd, bshd,
 zigzag CP; for all-gather CP, each rank's contiguous slice of every response is redistributed into
 zigzag shares by one differentiable all-reduce per result key. The entropy keeps its gradient only
 when entropy_coef != 0; the decision is made here, once, for every caller.
@@ -31,23 +33,23 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         s = logits.float() / temperature
         row_max = s.max(dim=-1).values
         comm.all_reduce(row_max, dist.ReduceOp.MAX, tp_group, "max")
-        s -= row_max.unsqueeze(-1)
+        s -= comm.normaliser(row_max).unsqueeze(-1)
         exp = s.exp()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group, "sum_exp")
 
         local = targets - vocab_start
         in_shard = (local >= 0) & (local < v_local)
         local = local.clamp(0, v_local - 1)
+        # exact: only the rank holding the target column adds a non-zero
         target_logit = s.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
         comm.all_reduce(target_logit, dist.ReduceOp.SUM, tp_group, "target_logit")
+        # gathered here, not in a helper: the call site tells this gather from the entropy's
+        sum_exp = _rank_order_sum(comm.all_gather(exp.sum(dim=-1), tp_group, "sum_exp"))
 
         log_sum_exp = sum_exp.log()
         log_prob = target_logit - log_sum_exp
         p = exp.div_(sum_exp.unsqueeze(-1))
         if with_entropy:
-            mean_s = (p * s).sum(dim=-1)
-            comm.all_reduce(mean_s, dist.ReduceOp.SUM, tp_group, "mean_s")
+            mean_s = _rank_order_sum(comm.all_gather((p * s).sum(dim=-1), tp_group, "mean_s"))
             entropy = log_sum_exp - mean_s
         else:
             mean_s = None
@@ -79,6 +81,17 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
+def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The TP ranks' partial sums added in rank order. A ring all-reduce adds an element's
+    partials in an order set by the element's place in the buffer, so a row's result would
+    change with the rows packed around it; gathering the partials and adding them in rank order
+    keeps every row's bits independent of its neighbours (batch invariance)."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
 class _AllReduceSum(torch.autograd.Function):
     """Sum over a group; the gradient of a sum of replicas is the sum of their gradients."""
 
@@ -101,6 +114,11 @@ class BuiltinTarget:
 
     name = "builtin"
     capabilities = Capabilities()
+    # What ``shardcheck invariance`` holds it to: the same sample gives the same bits in any
+    # layout, packing, order or micro-batch, at a given tp. Across tp sizes the vocab sums are
+    # split differently, so no bound is promised there (README gives the measured figures).
+    invariance = {axis: "bitwise" for axis in
+                  ("rerun", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")}
 
     def describe(self) -> dict[str, Any]:
         from shardcheck import __version__
@@ -109,9 +127,21 @@ class BuiltinTarget:
 
     # -- the seams the mutants (targets/mutants.py) vary ----------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Any, group: Any, step: str) -> None:
-        """Every collective goes through here; ``step`` names it (max, sum_exp, target_logit,
-        mean_s, redistribute, redistribute_grad)."""
+        """Every all-reduce goes through here; ``step`` names it (max, target_logit,
+        redistribute, redistribute_grad)."""
         dist.all_reduce(tensor, op=op, group=group)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any, step: str) -> list[torch.Tensor]:
+        """Every all-gather goes through here: each rank's ``tensor``, in rank order; ``step``
+        names it (sum_exp, mean_s)."""
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return parts
+
+    def normaliser(self, row_max: torch.Tensor) -> torch.Tensor:
+        """What each row's scaled logits are shifted by before exp: the row's own maximum, so a
+        row's result depends on that row alone (nothing about its neighbours or the layout)."""
+        return row_max
 
     def entropy_grad_wanted(self, inputs: RankInputs) -> bool:
         """Keep the entropy's gradient only when the loss can use it (decided once, here)."""

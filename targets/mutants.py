@@ -5,6 +5,7 @@ of CONTEXT.md, each run as ``builtin:NAME``. Each states the failure the harness
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from shardcheck.targets.builtin import BuiltinTarget
 
 class Mutant(BuiltinTarget):
     expected: tuple[str, str | None] = ("", None)  # (failure kind, phase) on the regressions suite
+    found_by = "run"  # the command that finds it: run, or invariance (it passes run)
 
 
 class EntropyNone(Mutant):
@@ -109,16 +111,16 @@ class SampleBoundaryOffByOne(Mutant):
         return targets, slices
 
 
-class SkipSameShapeAllReduce(Mutant):
-    """a TP rank skips the target-logit all-reduce; its next one (the entropy's) has the same
-    shape and reduce op, so gloo would silently mis-pair them: a wrong result, then a hang"""
+class SkipSameShapeAllGather(Mutant):
+    """a TP rank skips the sum-of-exp all-gather; its next one (the entropy's) has the same
+    shape, so gloo would silently mis-pair them: a wrong result, then a hang"""
 
     expected = ("collective_mismatch", "forward")
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any, group: Any, step: str) -> None:
-        if step == "target_logit" and dist.get_rank(group) == 1:
-            return
-        super().all_reduce(tensor, op, group, step)
+    def all_gather(self, tensor: torch.Tensor, group: Any, step: str) -> list[torch.Tensor]:
+        if step == "sum_exp" and dist.get_rank(group) == 1:
+            return [tensor] * dist.get_world_size(group)
+        return super().all_gather(tensor, group, step)
 
 
 class ReduceOpSwap(Mutant):
@@ -169,6 +171,76 @@ class UnpaddedChunkStart(Mutant):
         return targets, slices
 
 
+class InplaceTemperature(Mutant):
+    """inputs changed in place: divides the logits it is given by the temperature in place
+    (``logits.div_(t)``, as OpenRLHF's log_probs_from_logits does), then works at temperature 1;
+    values and gradients stay right, the caller's logits do not"""
+
+    expected = ("input_mutated", "forward")
+
+    def compute(self, inputs: RankInputs):  # type: ignore[override]
+        inputs.logits.div_(inputs.temperature)
+        return super().compute(dataclasses.replace(inputs, temperature=1.0))
+
+
+class _LossScaled(torch.autograd.Function):
+    """Identity; its backward scales the incoming gradient in place (to keep a low-precision
+    backward from underflowing) and unscales what it returns: right values, and the caller's
+    gradient tensor left scaled."""
+
+    SCALE = 1024.0
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad.mul_(_LossScaled.SCALE)
+        return grad / _LossScaled.SCALE
+
+
+class InplaceGradOutput(Mutant):
+    """inputs changed in place in backward: each per-sample log-prob passes through a function
+    whose backward scales the incoming gradient in place (``grad.mul_(scale)``) and unscales
+    what it returns; values and gradients stay right, the gradient the caller fed does not"""
+
+    expected = ("input_mutated", "backward")
+
+    def compute(self, inputs: RankInputs):  # type: ignore[override]
+        out = super().compute(inputs)
+        out.log_probs = [_LossScaled.apply(lp) if lp.requires_grad else lp for lp in out.log_probs]
+        return out
+
+
+class PackingDependent(Mutant):
+    """layout and batch invariance: a call holding one sample (nothing packed with it) shifts
+    every row by the sample's largest logit (over all its response rows, all TP and CP ranks)
+    instead of the row's own maximum; the same arithmetic up to rounding, so every value stays
+    within the reference's tolerance, but a sample's bits change when it is packed with others"""
+
+    expected = ("invariance_violation", None)  # on the packing axis only
+    found_by = "invariance"
+
+    def compute(self, inputs: RankInputs):  # type: ignore[override]
+        self._shift = self._sample_max(inputs) if len(inputs.total_lengths) == 1 else None
+        return super().compute(inputs)
+
+    def _sample_max(self, inputs: RankInputs) -> torch.Tensor:
+        rows = inputs.logits.detach().reshape(-1, inputs.logits.size(-1))
+        _, slices = self.row_targets_and_slices(inputs, rows.size(0))
+        scored = rows[slices[0]].float() / inputs.temperature
+        top = scored.max() if scored.numel() else torch.tensor(float("-inf"), device=rows.device)
+        top = top.reshape(1)
+        self.all_reduce(top, dist.ReduceOp.MAX, inputs.tp_group, "sample_max")
+        if inputs.cp_size > 1:
+            self.all_reduce(top, dist.ReduceOp.MAX, inputs.cp_group, "sample_max")
+        return top
+
+    def normaliser(self, row_max: torch.Tensor) -> torch.Tensor:
+        return row_max if self._shift is None else self._shift.expand_as(row_max)
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     "entropy_none": EntropyNone,
     "skip_empty_rank": SkipEmptyRank,
@@ -178,10 +250,13 @@ MUTANTS: dict[str, type[Mutant]] = {
     "caller_decides_grad": CallerDecidesGrad,
     "chunk_off_by_one": ChunkOffByOne,
     "sample_boundary_off_by_one": SampleBoundaryOffByOne,
-    "skip_same_shape_allreduce": SkipSameShapeAllReduce,
+    "skip_same_shape_allgather": SkipSameShapeAllGather,
     "reduce_op_swap": ReduceOpSwap,
     "backward_skip_zero_grad": BackwardSkipZeroGrad,
     "unpadded_chunk_start": UnpaddedChunkStart,
+    "inplace_temperature": InplaceTemperature,
+    "inplace_grad_output": InplaceGradOutput,
+    "packing_dependent": PackingDependent,
 }
 
 

@@ -25,3 +25,13 @@ def write_scenarios(path: Path, scenarios: list) -> Path:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def world():
+    """One 4-rank gloo world for every test that does not need a world of its own (start-up
+    costs 10 to 25 s on 2 cores; the world restarts itself when a scenario leaves it unusable)."""
+    from shardcheck.harness.world import World
+
+    with World(4, timeout=20) as w:
+        yield w

@@ -264,3 +264,38 @@ class PolicyLossNotScalar(PolicyLoss):
 
     def loss(self, inputs: RankInputs, out: RankOutputs) -> torch.Tensor:
         return super().loss(inputs, out).reshape(1).repeat(2)
+
+
+class MutateTokens(BuiltinTarget):
+    """builtin, which first overwrites token 3 of sample 1 in the token list it was given"""
+
+    name = "plants:MutateTokens"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        tokens = inputs.tokens[SAMPLE]
+        tokens[TOKEN] = (tokens[TOKEN] + 1) % (inputs.logits.size(-1) * inputs.tp_size)  # the planted write
+        return out
+
+
+class PolicyLossMutatesAdvantages(PolicyLoss):
+    """PolicyLoss that centres the advantages it was given, in place (the caller's tensors)"""
+
+    name = "plants:PolicyLossMutatesAdvantages"
+
+    def loss(self, inputs: RankInputs, out: RankOutputs) -> torch.Tensor:
+        for adv in inputs.policy.advantages:
+            if adv.numel() > 1:
+                adv.sub_(adv.mean())  # the planted write
+        return super().loss(inputs, out)
+
+
+class InplaceSameValues(BuiltinTarget):
+    """builtin, which multiplies the logits it was given by 1 in place: a write that changes
+    nothing (and that autograd allows on a model's output, so it must not be a rank error)"""
+
+    name = "plants:InplaceSameValues"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        inputs.logits.mul_(1.0)
+        return super().compute(inputs)

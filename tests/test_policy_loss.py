@@ -7,7 +7,6 @@ import torch
 from shardcheck.harness import runner, shard
 from shardcheck.harness.report import SilentReport
 from shardcheck.harness.layout import rank_layout
-from shardcheck.harness.world import World
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios.data import ScenarioData
 
@@ -52,12 +51,6 @@ def test_policy_batch_holds_the_share_and_the_truth():
     assert torch.equal(torch.cat(batch.old_log_probs), truth.float())
     assert [m.numel() for m in batch.loss_masks] == [s.response for s in sc.samples]
     assert torch.equal(batch.advantages[0], data.advantages(0)[list(layout.share[0])])
-
-
-@pytest.fixture(scope="module")
-def world():
-    with World(4, timeout=20) as w:
-        yield w
 
 
 def _run(world, target, scenarios):

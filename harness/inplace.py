@@ -1,0 +1,222 @@
+"""The inputs a target is given stay as they were: the rank side of the ``input_mutated`` check.
+
+Before ``compute`` the rank registers every tensor it hands the target (the logits, each
+sample's tokens, the policy batch) with what proves it unchanged; the gradients it feeds into
+the target's outputs for the backward are registered before the backward. After the forward and
+again after the backward each is compared with its original, bit for bit.
+
+Where the first in-place write happened is found with torch's own machinery: a
+``TorchDispatchMode`` active while the target runs (forward and backward) sees every op whose
+schema writes into an argument (``x.sub_``, ``exp(out=x)``, a collective's in-place output) and
+records the first one that writes into a registered tensor's storage, with the Python call site
+outside torch and the harness. ``benchmarks/inplace_overhead.py`` measures what it costs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardcheck.harness import trace
+from shardcheck.harness.verdict import INPUT_MUTATED, Failure
+
+# A changed element's place, in global terms: the Failure fields it fills in (sample, token,
+# position, column) and the words that name it.
+Locate = Callable[[int], tuple[dict[str, int | None], str]]
+
+
+@dataclass
+class Write:
+    """The first in-place write into a watched tensor: the op, the phase, the call site."""
+
+    op: str
+    phase: str
+    site: list[str]
+
+    def describe(self) -> str:
+        where = self.site[0] if self.site else "a frame inside torch"
+        return f"{self.op} at {where} in {self.phase}"
+
+
+@dataclass
+class _Watched:
+    name: str
+    given: torch.Tensor
+    original: torch.Tensor
+    locate: Locate
+    found_in: str | None = None  # the phase a change was first seen after
+
+
+@dataclass
+class InputGuard:
+    """What a rank handed a target, kept to prove it unchanged."""
+
+    rank: int
+    watched: list[_Watched] = field(default_factory=list)
+    writes: dict[int, Write] = field(default_factory=dict)  # id(watched entry) -> first write
+
+    def watch(self, name: str, given: Any, original: torch.Tensor | None, locate: Locate) -> None:
+        """Watch ``given`` (a tensor the target receives); ``original`` holds its values as they
+        must stay (None: a copy is taken now). Empty and non-tensor inputs cannot change."""
+        if not isinstance(given, torch.Tensor) or given.numel() == 0:
+            return
+        kept = given.detach().clone() if original is None else original.detach()
+        self.watched.append(_Watched(name, given, kept, locate))
+
+    def writes_watch(self) -> _WriteWatch:
+        """The dispatch mode to run the target under (forward and backward)."""
+        return _WriteWatch(self)
+
+    def check(self, phase: str) -> list[Failure]:
+        """Compare every watched tensor with its original after ``phase``; a tensor is reported
+        once, in the first phase after which it differs."""
+        failures = []
+        for w in self.watched:
+            if w.found_in is not None:
+                continue
+            changed = _changed(w.given.detach(), w.original)
+            if changed is None:
+                continue
+            w.found_in = phase
+            failures.append(self._failure(w, changed, phase))
+        return failures
+
+    def _failure(self, w: _Watched, changed: torch.Tensor, phase: str) -> Failure:
+        first = int(changed[0])
+        where, words = w.locate(first)
+        given, original = w.given.detach().reshape(-1), w.original.reshape(-1)
+        now, was = given[first].item(), original[first].item()
+        write = self.writes.get(id(w))
+        site = f"; first in-place write: {write.describe()}" if write else ""
+        message = (f"{w.name} changed in {phase}: {changed.numel()} of {given.numel()} elements, first at "
+                   f"{words} (was {was:.6g}, now {now:.6g}){site}")
+        details: dict[str, Any] = {"changed": changed.numel(), "elements": given.numel()}
+        if write is not None:
+            details |= {"op": write.op, "site": write.site, "write_phase": write.phase}
+        return Failure(INPUT_MUTATED, message, [self.rank], field=w.name, phase=phase, got=float(now),
+                       want=float(was), details=details, **where)
+
+
+def _changed(given: torch.Tensor, original: torch.Tensor) -> torch.Tensor | None:
+    """Flat indices of the elements that differ (NaN equals NaN; -0.0 differs from 0.0)."""
+    if given.shape != original.shape or given.dtype != original.dtype:
+        return torch.arange(original.numel())
+    a, b = given.reshape(-1), original.reshape(-1)
+    if a.is_floating_point():
+        # bit for bit: compare the integer views, so a sign flip of zero or a new NaN payload counts
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.contiguous().view(bits), b.contiguous().view(bits)
+    diff = (a != b).nonzero().flatten()
+    return diff.cpu() if diff.numel() else None
+
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an op's schema writes into (``Tensor(a!)``), cached."""
+    got = _WRITTEN.get(func)
+    if got is None:
+        got = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+        _WRITTEN[func] = got
+    return got
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+class _WriteWatch(TorchDispatchMode):
+    """Records the first op that writes into a watched tensor's storage."""
+
+    def __init__(self, guard: InputGuard) -> None:
+        super().__init__()
+        self.guard = guard
+        self.storages: dict[int, list[_Watched]] = {}
+
+    def __enter__(self) -> _WriteWatch:
+        # the storages are read on entry: the backward's gradients are registered before it
+        self.storages = {}
+        for w in self.guard.watched:
+            self.storages.setdefault(w.given.untyped_storage().data_ptr(), []).append(w)
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        written = _written_arguments(func)
+        if written and self.storages:
+            for pos, name in written:
+                value = args[pos] if pos < len(args) else kwargs.get(name)
+                for t in _tensors(value):
+                    if t.numel() and t.untyped_storage().data_ptr() in self.storages:
+                        self._record(func, t)
+        return func(*args, **kwargs)
+
+    def _record(self, func: Any, t: torch.Tensor) -> None:
+        for w in self.storages[t.untyped_storage().data_ptr()]:
+            if id(w) not in self.guard.writes:
+                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+                self.guard.writes[id(w)] = Write(str(func), phase, trace.call_stack(trace.STACK_SHOWN,
+                                                                                    sys._getframe(1)))
+
+
+def guard_inputs(rank: int, layout: Any, data: Any, inputs: Any, leaf: torch.Tensor) -> InputGuard:
+    """Watch every tensor of a rank's ``RankInputs``. The logits are kept as the harness's leaf
+    (the target is given a copy of it), the tokens as the scenario data regenerates them."""
+    guard = InputGuard(rank)
+    guard.watch("logits", inputs.logits, leaf, _logits_locator(layout, inputs.logits.size(-1)))
+    for i, tokens in enumerate(inputs.tokens):
+        guard.watch("tokens", tokens, data.tokens(i), _sample_locator(i, "position"))
+    if inputs.policy is not None:
+        p = inputs.policy
+        for i in range(len(layout.share)):
+            guard.watch("advantages", p.advantages[i], None, _share_locator(layout, i))
+            guard.watch("old_log_probs", p.old_log_probs[i], None, _share_locator(layout, i))
+            guard.watch("loss_masks", p.loss_masks[i], None, _sample_locator(i, "token"))
+    return guard
+
+
+def guard_gradients(guard: InputGuard, layout: Any, fed: list[Any]) -> None:
+    """Watch the gradients the harness feeds into the target's outputs (see harness/loss.py)."""
+    for f in fed:
+        locate = (_share_locator(layout, f.sample) if f.sample is not None
+                  else lambda k: ({}, "the scalar"))
+        guard.watch(f"grad of {f.field}", f.grad, None, locate)
+
+
+def _logits_locator(layout: Any, width: int) -> Locate:
+    def locate(k: int) -> tuple[dict[str, int | None], str]:
+        row, col = divmod(k, width)
+        stream, pos = layout.row_positions()[row]
+        column = layout.columns[0] + col
+        if stream >= len(layout.scenario.samples):
+            return {"position": pos, "column": column}, f"tail padding row {pos} column {column}"
+        token = layout.scored_token(stream, pos)
+        scored = f" (scores response token {token})" if token is not None else ""
+        return ({"sample": stream, "position": pos, "token": token, "column": column},
+                f"sample {stream} position {pos}{scored} column {column}")
+
+    return locate
+
+
+def _sample_locator(sample: int, unit: str) -> Locate:
+    return lambda k: ({"sample": sample, unit: k}, f"sample {sample} {unit} {k}")
+
+
+def _share_locator(layout: Any, sample: int) -> Locate:
+    """Element k of a per-sample share tensor (the rank's response tokens, in output order)."""
+    def locate(k: int) -> tuple[dict[str, int | None], str]:
+        token = layout.share[sample][k]
+        return {"sample": sample, "token": token}, f"sample {sample} response token {token}"
+
+    return locate

@@ -1,0 +1,46 @@
+"""A target's own outputs on one rank, as data the controller can put back together per sample.
+
+The invariance check compares what a target computed for the same sample under different
+layouts, bit for bit, so the values travel in the dtype the target produced them in. Each rank
+sends its share of each sample's response (log-probs, entropies, with the response token each
+element scores) and the rows of each sample's logit gradient it holds (real positions only,
+its vocab columns). Malformed outputs are left out: the value check reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardcheck.harness.layout import RankLayout
+
+
+def rank_outputs(
+    layout: RankLayout,
+    log_probs: Sequence[Any] | None,
+    entropy: Sequence[Any] | None,
+    grad: torch.Tensor,
+) -> dict[str, Any]:
+    """``{"values": {field: [(sample, tokens, tensor)]}, "grad": [(sample, first position,
+    first column, tensor [rows, columns])]}``, all on the CPU."""
+    values: dict[str, list] = {}
+    for name, outs in (("log_probs", log_probs), ("entropy", entropy)):
+        if outs is None or len(outs) != len(layout.share):
+            continue
+        values[name] = [
+            (i, list(js), out.detach().reshape(-1).cpu())
+            for i, (out, js) in enumerate(zip(outs, layout.share))
+            if isinstance(out, torch.Tensor) and out.numel() == len(js)
+        ]
+    rows = grad.detach().reshape(layout.num_rows, -1).cpu()
+    samples = layout.scenario.samples
+    pieces, row = [], 0
+    for p in layout.pieces:
+        if p.stream < len(samples):
+            real = max(0, min(p.stop, samples[p.stream].total) - p.start)
+            if real:
+                pieces.append((p.stream, p.start, layout.columns[0], rows[row : row + real].clone()))
+        row += p.rows
+    return {"values": values, "grad": pieces}

@@ -1,0 +1,152 @@
+"""Invariance: the same sample's outputs keep their bits however it is laid out, packed, ordered
+or split; contracts turn differences into invariance_violation failures."""
+
+import json
+
+import pytest
+import torch
+
+from shardcheck.cli import main
+from shardcheck.errors import BadInput
+from shardcheck.harness.invariance import (AXES, Expect, check_invariance, difference, parse_expect, ulp_distance,
+                                           variants)
+from shardcheck.pytest_plugin import ShardcheckSession
+from shardcheck.scenarios import Sample, Scenario
+from shardcheck.scenarios.data import ScenarioData
+
+BASES = [
+    Scenario("thd-four", (Sample(13, 5), Sample(9, 1), Sample(21, 12), Sample(6, 3)), vocab=24, tp=2,
+             entropy_coef=0.1, log_probs_chunk_size=4, temperature=0.7, seed=31),
+    Scenario("ag-four", (Sample(30, 2), Sample(11, 4), Sample(9, 6), Sample(17, 3)), vocab=16, cp=2,
+             layout="allgather", entropy_coef=0.0, seed=32),
+]
+
+
+# -- plain parts -----------------------------------------------------------------------------------
+def test_a_sample_carries_its_data_wherever_it_is_placed():
+    base = BASES[0]
+    [alone] = [v.scenario for v in variants("packing", base, 4) if v.label == "sample 2 alone"]
+    [rev] = [v.scenario for v in variants("order", base, 4) if v.label == "reversed"]
+    d, a, r = ScenarioData(base), ScenarioData(alone), ScenarioData(rev)
+    assert torch.equal(d.tokens(2), a.tokens(0)) and torch.equal(d.tokens(2), r.tokens(1))
+    assert torch.equal(d.logit_rows(2, 0, 21), a.logit_rows(0, 0, 21))
+    assert all(torch.equal(x, y) for x, y in zip(d.loss_weights(2), r.loss_weights(1)))
+    assert Scenario.from_json(rev.to_json()) == rev  # the identities round-trip through JSON
+    with pytest.raises(BadInput, match="two samples carry data_id 0"):
+        Scenario("x", ([5, 2], [6, 2, 0]), vocab=4)
+
+
+def test_variants_of_each_axis_and_what_the_world_cannot_hold():
+    base = Scenario("b", (Sample(9, 3), Sample(7, 2)), vocab=16, tp=2, cp=2, layout="allgather", seed=1)
+    labels = {axis: [(v.label, v.skip) for v in variants(axis, base, 4)] for axis in AXES}
+    assert labels["rerun"] == [("run 1", None), ("run 2", None)]
+    assert dict(labels["tp"])["tp=4"] == "tp=4 x cp=2 needs 8 ranks; the world has 4"
+    assert dict(labels["cp"])["cp=4 allgather"] == "tp=2 x cp=4 needs 8 ranks; the world has 4"
+    assert dict(labels["cp"])["cp=1 thd"] is None
+    assert [lab for lab, _ in labels["cp_mode"]] == ["zigzag cp=2", "allgather cp=2"]
+    assert [lab for lab, _ in labels["format"]] == ["thd", "bshd"]
+    assert [lab for lab, _ in labels["chunk"]] == ["chunk=-1", "chunk=3"]
+    assert [lab for lab, _ in labels["packing"]] == ["packed", "between new samples", "sample 0 alone",
+                                                    "sample 1 alone"]
+    assert "need 4" in labels["split"][0][1]
+    between = variants("packing", base, 4)[1].scenario
+    assert [s.data_id for s in between.samples] == [2, 0, 1, 3]  # new neighbours get new identities
+    odd = Scenario("v", (Sample(9, 3),), vocab=37)
+    assert variants("tp", odd, 4)[1].skip == "vocab 37 is not divisible by tp 2"
+
+
+def test_ulp_distance_and_difference():
+    one = torch.tensor([1.0])
+    nxt = torch.nextafter(one, torch.tensor([2.0]))
+    assert int(ulp_distance(one, nxt)) == 1
+    assert int(ulp_distance(torch.tensor([-0.0]), torch.tensor([0.0]))) == 0  # the same number
+    assert int(ulp_distance(torch.tensor([-1.0]), torch.tensor([1.0]))) > 2 ** 30
+    assert int(ulp_distance(torch.tensor([1.0], dtype=torch.bfloat16),
+                            torch.tensor([1.0078125], dtype=torch.bfloat16))) == 1
+    a = torch.zeros(3, 4)
+    assert difference(a, a.clone()) is None
+    b = a.clone()
+    b[2, 1] = 1e-3
+    d = difference(a, b)
+    assert d.index == (2, 1) and d.count == 1 and d.got == pytest.approx(1e-3) and d.want == 0.0
+
+
+def test_contracts_parse_or_say_what_is_wrong():
+    assert parse_expect("packing=bitwise, tp=ulp:8") == {"packing": Expect(0), "tp": Expect(8)}
+    for spec, words in [("packing", "expected AXIS=bitwise"), ("tp=ulp:x", "'bitwise' or 'ulp:N'"),
+                        ("sideways=bitwise", "unknown invariance axis 'sideways'")]:
+        with pytest.raises(BadInput, match=words):
+            parse_expect(spec)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["invariance", "--axis", "rerun,sideways"], "unknown invariance axis 'sideways'"),
+    (["invariance", "--expect", "tp=ulp"], "--expect tp: expected 'bitwise' or 'ulp:N'"),
+    (["invariance", "--expect", "packing"], "expected AXIS=bitwise or AXIS=ulp:N"),
+])
+def test_bad_invariance_options_are_one_line(capsys, args, words):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardcheck: error: ") and words in err[0], err
+
+
+# -- on a world ------------------------------------------------------------------------------------
+@pytest.mark.world
+def test_builtin_meets_its_declared_contract(world):
+    result = check_invariance(BASES, "builtin", world=world)
+    assert result.exit_code == 0, [f.message for f in result.violations[:3]]
+    assert set(result.contract) == set(AXES) - {"tp"}
+    for axis in result.contract:
+        for q in ("log_probs", "grad"):
+            cell = result.matrix[axis][q]
+            assert cell.compared and cell.worst is None, (axis, q, cell.to_dict())
+    assert result.matrix["tp"]["log_probs"].compared  # measured, not judged
+    assert any("cp=4" in s for s in result.matrix["cp"]["grad"].skipped)  # tp=2 x cp=4 > 4 ranks
+    # a user contract the target does not make is checked too: sums split over 1 or 2 TP ranks
+    strict = check_invariance(BASES[:1], "builtin", axes=["tp"], expect={"tp": Expect(0)}, world=world)
+    assert strict.exit_code == 1 and {f.details["axis"] for f in strict.violations} == {"tp"}
+    f = strict.violations[0]
+    assert f.kind == "invariance_violation" and f.details["layouts"][0] in ("tp=1", "tp=2")
+
+
+@pytest.mark.world
+def test_packing_dependent_passes_run_and_breaks_packing_only(world):
+    from shardcheck.harness import runner
+    from shardcheck.harness.report import SilentReport
+    from shardcheck.scenarios import get_suite
+
+    assert runner.run(get_suite("smoke"), "builtin:packing_dependent", reporter=SilentReport(),
+                      world=world).exit_code == 0
+    result = check_invariance(BASES, "builtin:packing_dependent", world=world)
+    assert result.exit_code == 1
+    assert {f.details["axis"] for f in result.violations} == {"packing"}
+    f = result.violations[0]
+    assert "alone" in " ".join(f.details["layouts"]) and f.got != f.want
+    assert f.message.startswith("packing: ") and "expected bitwise" in f.message
+
+
+@pytest.mark.world
+def test_the_pytest_plugin_asserts_a_contract(world):
+    session = ShardcheckSession(world, "builtin:packing_dependent")
+    session.check_invariance(BASES[0], axes=["rerun", "order", "split"])  # kept
+    with pytest.raises(pytest.fail.Exception, match="invariance_violation: packing: "):
+        session.check_invariance(BASES[0], axes=["packing"])
+    kept = ShardcheckSession(world, "builtin").check_invariance(BASES[0], axes=["packing"],
+                                                                expect="packing=bitwise")
+    assert kept.matrix["packing"]["entropy"].compared
+
+
+@pytest.mark.world
+def test_the_command_writes_the_matrix_and_exits_1_on_a_violation(tmp_path, capsys):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps([BASES[0].to_dict()]))
+    report = tmp_path / "inv.json"
+    code = main(["invariance", "--target", "builtin:packing_dependent", "--scenario-file", str(f), "-q",
+                 "--axis", "packing,order", "--json-report", str(report), "--nproc", "2"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    doc = json.loads(report.read_text())
+    assert doc["complete"] and doc["contract"]["packing"] == "bitwise"
+    assert doc["matrix"]["packing"]["log_probs"]["max_ulp"] >= 1 and doc["matrix"]["order"]["grad"]["max_ulp"] == 0
+    assert doc["violations"] and all(v["details"]["axis"] == "packing" for v in doc["violations"])
+    assert "packing" in out and "invariance violation" in out
