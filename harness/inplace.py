@@ -9,11 +9,14 @@ Where the first in-place write happened is found with torch's own machinery: a
 ``TorchDispatchMode`` active while the target runs (forward and backward) sees every op whose
 schema writes into an argument (``x.sub_``, ``exp(out=x)``, a collective's in-place output) and
 records the first one that writes into a registered tensor's storage, with the Python call site
-outside torch and the harness. ``benchmarks/inplace_overhead.py`` measures what it costs.
+outside torch and the harness. It costs a Python call per op (about 1.3x on the smoke suite, see
+``benchmarks/inplace_overhead.py``), so it runs only to explain a change already found: the
+controller runs such a scenario again with ``explain`` (see ``runner.run``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,9 +71,10 @@ class InputGuard:
         kept = given.detach().clone() if original is None else original.detach()
         self.watched.append(_Watched(name, given, kept, locate))
 
-    def writes_watch(self) -> _WriteWatch:
-        """The dispatch mode to run the target under (forward and backward)."""
-        return _WriteWatch(self)
+    def writes_watch(self, explain: bool = True) -> Any:
+        """The dispatch mode to run the target under (forward and backward) when a change is
+        to be explained; otherwise (or when nothing is watched) nothing, which costs nothing."""
+        return _WriteWatch(self) if explain and self.watched else contextlib.nullcontext()
 
     def check(self, phase: str) -> list[Failure]:
         """Compare every watched tensor with its original after ``phase``; a tensor is reported

@@ -101,7 +101,7 @@ class JoinedWorld:
         self._runner = self._exchange = self._store = None
 
     def run(self, scenario: dict[str, Any], target: str, trace: bool = False, *, inplace: bool = True,
-            outputs: bool = False, reference: bool = True) -> list[dict[str, Any]]:
+            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[dict[str, Any]]:
         """Run one scenario here and on every peer; every rank gets every rank's result."""
         import torch.distributed as dist
 
@@ -112,7 +112,8 @@ class JoinedWorld:
             mine = _error_result(self.rank, f"not run: the world is out of step since {self._out_of_step}")
         else:
             mine = self._runner.run(scenario=scenario, target=target, seq=self._seq, trace_calls=trace,
-                                    inplace=inplace, outputs=outputs, reference=reference)
+                                    inplace=inplace, outputs=outputs, reference=reference,
+                                    explain=explain)
             mine["received_at"] = time.time()
         results: list[Any] = [None] * self.nproc
         try:

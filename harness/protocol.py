@@ -3,7 +3,8 @@
 Controller -> rank:
     run   scenario (dict), target (spec str), seq (int), trace_calls (bool), inplace (bool: check
           the inputs stay unchanged), outputs (bool: send the target's outputs back), reference (bool:
-          compare with the float64 reference)                       run one scenario
+          compare with the float64 reference), explain (bool: find the call site of the first in-place
+          write into an input)                                      run one scenario
     stop                                                   leave the loop and exit
 Rank -> controller (the controller adds who sent it on arrival):
     ready   pid, seconds                                   joined the world, waiting for work

@@ -125,9 +125,12 @@ class RankRunner:
         return self._targets[spec]
 
     def run(self, scenario: dict[str, Any], target: str, seq: int, trace_calls: bool = False,
-            inplace: bool = True, outputs: bool = False, reference: bool = True) -> dict[str, Any]:
+            inplace: bool = True, outputs: bool = False, reference: bool = True, explain: bool = False
+            ) -> dict[str, Any]:
         """One scenario on this rank. ``inplace``: check that the target leaves its inputs (and
-        the gradients fed to its outputs) unchanged; ``outputs``: send back the target's own
+        the gradients fed to its outputs) unchanged; ``explain``: also find the call site of the
+        first in-place write (a dispatch mode on every op: run only to explain a change already
+        found); ``outputs``: send back the target's own
         outputs and logit gradient, bit for bit (the invariance check compares them);
         ``reference``: compare values and gradient with the float64 reference."""
         from shardcheck.harness import protocol, trace
@@ -142,7 +145,8 @@ class RankRunner:
         failures, errors, described, notes, produced = [], {}, {}, [], None
         raised = False
         try:
-            failures, errors, described, produced = self._run(scenario, target, inplace, outputs, reference)
+            failures, errors, described, produced = self._run(scenario, target, inplace, outputs, reference,
+                                                                  explain)
             if lockstep is not None:
                 lockstep.finish()
         except CollectiveMismatch as exc:
@@ -200,7 +204,7 @@ class RankRunner:
                 pass
 
     def _run(self, scenario_dict: dict[str, Any], spec: str, inplace: bool, want_outputs: bool,
-             reference: bool) -> tuple[list, dict, dict, dict | None]:
+             reference: bool, explain: bool) -> tuple[list, dict, dict, dict | None]:
         import torch
 
         from shardcheck.harness import groups, shard
@@ -242,7 +246,7 @@ class RankRunner:
             policy=shard.policy_batch(data, layout) if form == "policy" else None,
         )
         guard = guard_inputs(self.rank, layout, data, inputs, leaf) if inplace else InputGuard(self.rank)
-        with guard.writes_watch():
+        with guard.writes_watch(explain):
             outputs = target.compute(inputs)
         failures = guard.check("forward")
         entropy = outputs.entropy if sc.with_entropy else None
@@ -266,7 +270,7 @@ class RankRunner:
         if inplace:
             guard_gradients(guard, layout, fed)
         if fed:
-            with guard.writes_watch():
+            with guard.writes_watch(explain):
                 torch.autograd.backward([f.output for f in fed], [f.grad for f in fed])
         failures += guard.check("backward")
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

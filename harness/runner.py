@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardcheck.harness.backend import choose_backend
-from shardcheck.harness.verdict import FAIL, SKIP, Verdict, merge
+from shardcheck.harness.verdict import FAIL, INPUT_MUTATED, SKIP, Verdict, merge
 from shardcheck.harness.world import World
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
@@ -29,6 +29,22 @@ class RunResult:
     @property
     def exit_code(self) -> int:
         return 1 if any(v.status == FAIL for v in self.verdicts) else 0
+
+
+def _unexplained_mutation(verdict: Verdict) -> bool:
+    return any(f.kind == INPUT_MUTATED and "site" not in f.details for f in verdict.failures)
+
+
+def _explained(first: Verdict, again: Verdict) -> Verdict:
+    """The second run's verdict when it saw the change again (now with its call site); else the
+    first, saying that the write did not repeat."""
+    if any(f.kind == INPUT_MUTATED for f in again.failures):
+        return again
+    for f in first.failures:
+        if f.kind == INPUT_MUTATED:
+            f.message += "; the write did not happen again when the scenario was run to find its call site"
+    first.seconds = again.seconds
+    return first
 
 
 def world_size_for(scenarios: Sequence[Scenario]) -> int:
@@ -89,6 +105,11 @@ def run(
             started = time.perf_counter()
             results = world.run(sc.to_dict(), target_spec, trace=trace, inplace=inplace)
             verdict = merge(sc, results, time.perf_counter() - started)
+            if _unexplained_mutation(verdict):
+                # the call site of the write is found by a watch on every op, too dear to keep on:
+                # run the scenario again with it (every rank decides the same, from the verdict)
+                again = world.run(sc.to_dict(), target_spec, trace=trace, inplace=True, explain=True)
+                verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].get("target"):
                 info["target"] = results[0]["target"]
             verdicts.append(verdict)

@@ -150,11 +150,12 @@ class World:
 
     # -- work -------------------------------------------------------------------------------
     def run(self, scenario: dict[str, Any], target: str, trace: bool = False, *, inplace: bool = True,
-            outputs: bool = False, reference: bool = True) -> list[dict[str, Any]]:
+            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[dict[str, Any]]:
         """Run one scenario on every rank; one result dict per rank, always, within the timeout.
 
         A rank that raised, died or hung comes back as a result holding a ``rank_error``.
-        ``inplace``, ``outputs`` and ``reference`` are the rank's checks (see ``RankRunner.run``).
+        ``inplace``, ``outputs``, ``reference`` and ``explain`` are the rank's checks (see
+        ``RankRunner.run``).
         """
         if not self._healthy:
             if self.started:
@@ -164,7 +165,8 @@ class World:
         seq = self._seq
         for conn in self._conns:
             conn.send(protocol.message(protocol.RUN, scenario=scenario, target=target, seq=seq, trace_calls=trace,
-                                       inplace=inplace, outputs=outputs, reference=reference))
+                                       inplace=inplace, outputs=outputs, reference=reference,
+                                       explain=explain))
         results: dict[int, dict[str, Any]] = {}
         deadline = time.perf_counter() + self.timeout + 10.0  # ranks time out first, by themselves
         while len(results) < self.nproc:

@@ -143,3 +143,16 @@ def test_tokens_and_policy_inputs_are_watched_and_a_harmless_write_is_allowed(wo
     # a write that changes no value is no finding, and writing into the given logits is allowed
     [v] = runner.run([sc], "plants:InplaceSameValues", reporter=SilentReport(), world=world).verdicts
     assert v.status == "pass", v.headline()
+
+
+def test_a_change_that_does_not_repeat_when_explained_says_so():
+    from shardcheck.harness.runner import _explained, _unexplained_mutation
+    from shardcheck.harness.verdict import Failure, Verdict
+
+    sc = Scenario("x", (Sample(5, 2),), vocab=4)
+    first = Verdict(sc, "fail", [Failure("input_mutated", "logits changed in forward", [0], field="logits")])
+    assert _unexplained_mutation(first)
+    kept = _explained(first, Verdict(sc, "pass", seconds=2.0))
+    assert kept is first and kept.seconds == 2.0 and "did not happen again" in kept.failures[0].message
+    explained = Verdict(sc, "fail", [Failure("input_mutated", "m", [0], details={"site": ["a.py:1"]})])
+    assert _explained(first, explained) is explained and not _unexplained_mutation(explained)
