@@ -2,7 +2,7 @@
 
 Prints:
   - world start-up (once, stated on its own and excluded from every rate);
-  - the fuzz path: ``shardcheck.harness.fuzz.fuzz`` against the builtin target on one reused
+  - the fuzz path: ``shardcheck.harness.controller.fuzz.fuzz`` against the builtin target on one reused
     world, in scenarios per minute of scenario time and of search time (hypothesis' generation
     and bookkeeping included);
   - baselines on the same scenarios: run as one suite (``shardcheck run`` semantics, one
@@ -25,9 +25,9 @@ import time
 
 from hypothesis import HealthCheck, given, settings
 
-from shardcheck.harness import fuzz, runner
-from shardcheck.harness.report import SilentReport
-from shardcheck.harness.world import World
+from shardcheck.harness.controller import fuzz, runner
+from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.world import World
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.strategies import scenarios
 

@@ -16,8 +16,8 @@ import argparse
 import statistics
 import time
 
-from shardcheck.harness import runner
-from shardcheck.harness.world import World
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.world import World
 from shardcheck.scenarios import get_suite
 
 MODES = {
@@ -43,8 +43,8 @@ def main() -> None:
                 t1 = time.perf_counter()
                 for sc in scenarios:
                     results = world.run(sc.to_dict(), args.target, **flags)
-                    if any(r["failures"] for r in results):
-                        raise SystemExit(f"{sc.name} failed ({mode}): {results[0]['failures'][:1]}")
+                    if any(r.failures for r in results):
+                        raise SystemExit(f"{sc.name} failed ({mode}): {results[0].failures[:1]}")
                 times[mode].append(time.perf_counter() - t1)
     for mode in MODES:
         times[mode] = times[mode][1:]

@@ -17,9 +17,9 @@ import os
 import statistics
 import time
 
-from shardcheck.harness import runner
-from shardcheck.harness.report import SilentReport
-from shardcheck.harness.world import World
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.world import World
 from shardcheck.scenarios import get_suite
 from shardcheck.targets.mutants import MUTANTS
 

@@ -162,8 +162,8 @@ def _select(args: argparse.Namespace) -> list:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardcheck.harness import runner
-    from shardcheck.harness.report import JsonReport, Reporters, TerminalReport
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import JsonReport, Reporters, TerminalReport
 
     if args.nproc is not None and args.nproc < 1:
         raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
@@ -184,8 +184,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _invariance(args: argparse.Namespace) -> int:
-    from shardcheck.harness.invariance import AXES, check_axes, check_invariance, parse_expect
-    from shardcheck.harness.invariance_report import InvarianceJson, InvarianceProgress, render
+    from shardcheck.harness.controller.invariance import AXES, check_axes, check_invariance, parse_expect
+    from shardcheck.harness.controller.invariance_report import InvarianceJson, InvarianceProgress, render
 
     if args.nproc is not None and args.nproc < 1:
         raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
@@ -230,8 +230,8 @@ def _writable(path: str) -> None:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from shardcheck.harness import fuzz
-    from shardcheck.harness.fuzz_report import Progress, header, replay_command, summary
+    from shardcheck.harness.controller import fuzz
+    from shardcheck.harness.controller.fuzz_report import Progress, header, replay_command, summary
     from shardcheck.scenarios import write_scenario_file
 
     _use_slime_src(args)
@@ -270,8 +270,8 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _bisect(args: argparse.Namespace) -> int:
-    from shardcheck.harness.bisect import bisect
-    from shardcheck.harness.report import TerminalReport, render_table
+    from shardcheck.harness.controller.bisect import bisect
+    from shardcheck.harness.controller.report import TerminalReport, render_table
 
     args.scenario_file = None
     scenarios = _select(args)

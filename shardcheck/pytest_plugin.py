@@ -82,17 +82,17 @@ class ShardcheckSession:
         self.target = target
 
     def run(self, scenario: Any, target: str | None = None) -> Any:
-        """The scenario's :class:`~shardcheck.harness.verdict.Verdict` (pass, fail or skip)."""
-        from shardcheck.harness import runner
-        from shardcheck.harness.report import SilentReport
+        """The scenario's :class:`~shardcheck.harness.controller.verdict.Verdict` (pass, fail or skip)."""
+        from shardcheck.harness.controller import runner
+        from shardcheck.harness.controller.report import SilentReport
 
         result = runner.run([scenario], target or self.target, reporter=SilentReport(), world=self.world)
         return result.verdicts[0]
 
     def check(self, scenario: Any, target: str | None = None) -> Any:
         """Run the scenario; fail the test with its findings, skip it with the reason."""
-        from shardcheck.harness.report import render_failure
-        from shardcheck.harness.verdict import FAIL, SKIP
+        from shardcheck.harness.controller.report import render_failure
+        from shardcheck.harness.controller.verdict import FAIL, SKIP
 
         verdict = self.run(scenario, target)
         if verdict.status == SKIP:
@@ -108,7 +108,7 @@ class ShardcheckSession:
         """The invariance matrix of the scenarios' samples (an :class:`InvarianceResult`);
         ``expect`` ("packing=bitwise,tp=ulp:8", or {axis: "bitwise"}) overrides the target's
         declared contract."""
-        from shardcheck.harness.invariance import AXES, check_invariance, parse_expect
+        from shardcheck.harness.controller.invariance import AXES, check_invariance, parse_expect
 
         if isinstance(expect, dict):
             expect = ",".join(f"{a}={e}" for a, e in expect.items())
@@ -120,7 +120,7 @@ class ShardcheckSession:
                          expect: str | dict | None = None, target: str | None = None) -> Any:
         """Fail the test when the contract (the target's, or ``expect``) is broken on any axis;
         the message starts with the first violation (axis, layouts, sample, token, both values)."""
-        from shardcheck.harness.invariance_report import render
+        from shardcheck.harness.controller.invariance_report import render
 
         result = self.invariance(scenarios, axes=axes, expect=expect, target=target)
         if result.violations:
@@ -132,7 +132,7 @@ class ShardcheckSession:
 def shardcheck_world(request: pytest.FixtureRequest) -> Any:
     """One world for the whole session: started here, or joined under torchrun."""
     from shardcheck.errors import ShardcheckError
-    from shardcheck.harness.joined import JoinedWorld, launched_by_torchrun
+    from shardcheck.harness.controller.joined import JoinedWorld, launched_by_torchrun
 
     opt = request.config.getoption
     try:
@@ -140,7 +140,7 @@ def shardcheck_world(request: pytest.FixtureRequest) -> Any:
             world: Any = JoinedWorld(timeout=opt("--shardcheck-timeout"), backend=opt("--shardcheck-backend"))
         else:
             from shardcheck.harness.backend import choose_backend
-            from shardcheck.harness.world import World
+            from shardcheck.harness.controller.world import World
 
             nproc = opt("--shardcheck-nproc") or DEFAULT_NPROC
             backend, _ = choose_backend(opt("--shardcheck-backend"), nproc)

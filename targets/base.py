@@ -118,7 +118,7 @@ class Target(Protocol):
     capabilities: Capabilities
     # optional: loss_form = "policy" (see the module docstring)
     # optional: invariance = {"packing": "bitwise", "tp": "ulp:8", ...}, the contract that
-    # ``shardcheck invariance`` holds the target to (axes in shardcheck.harness.invariance.AXES)
+    # ``shardcheck invariance`` holds the target to (its axes: ``shardcheck invariance --help``)
 
     def describe(self) -> dict[str, Any]:
         """Name, version and anything else a report should carry."""

@@ -36,7 +36,7 @@ class MegatronTarget:
     def compute(self, inputs: RankInputs) -> RankOutputs:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        from shardcheck.harness import shard
+        from shardcheck.harness.rank import shard
 
         layout = inputs.rank_layout
         rows = inputs.logits.reshape(-1, inputs.logits.size(-1))

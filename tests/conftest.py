@@ -31,7 +31,16 @@ def cli():
 def world():
     """One 4-rank gloo world for every test that does not need a world of its own (start-up
     costs 10 to 25 s on 2 cores; the world restarts itself when a scenario leaves it unusable)."""
-    from shardcheck.harness.world import World
+    from shardcheck.harness.controller.world import World
 
     with World(4, timeout=20) as w:
+        yield w
+
+
+@pytest.fixture(scope="session")
+def world2():
+    """One 2-rank gloo world for the tests that need a world smaller than their scenarios."""
+    from shardcheck.harness.controller.world import World
+
+    with World(2, timeout=30) as w:
         yield w

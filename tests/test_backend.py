@@ -5,7 +5,7 @@ import torch
 
 from shardcheck.errors import BadInput
 from shardcheck.harness.backend import choose_backend, rank_device
-from shardcheck.harness.joined import launched_by_torchrun
+from shardcheck.harness.controller.joined import launched_by_torchrun
 
 
 @pytest.mark.parametrize("cuda,gpus,nproc,want", [

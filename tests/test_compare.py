@@ -3,8 +3,8 @@ a one-element change fails and is named by sample, token and column."""
 
 import torch
 
-from shardcheck.harness import shard
-from shardcheck.harness.compare import TOLERANCES, compare_grad, compare_outputs, mismatch_mask
+from shardcheck.harness.rank import shard
+from shardcheck.harness.rank.compare import TOLERANCES, compare_grad, compare_outputs, mismatch_mask
 from shardcheck.harness.layout import rank_layout
 from shardcheck.reference import logprob_entropy, loss_grad_chunks
 from shardcheck.scenarios import Sample, Scenario

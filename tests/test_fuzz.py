@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from conftest import run_cli
 from shardcheck.errors import BadInput
-from shardcheck.harness import fuzz
-from shardcheck.harness.world import World
+from shardcheck.harness.controller import fuzz
+from shardcheck.harness.controller.world import World
 from shardcheck.scenarios import LAYOUTS, Sample, Scenario, load_scenario_file
 from shardcheck.strategies import (
     boundary_positions,

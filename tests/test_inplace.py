@@ -6,9 +6,9 @@ import inspect
 import pytest
 import torch
 
-from shardcheck.harness import runner
-from shardcheck.harness.inplace import InputGuard, _changed
-from shardcheck.harness.report import SilentReport
+from shardcheck.harness.controller import runner
+from shardcheck.harness.rank.inplace import InputGuard, _changed
+from shardcheck.harness.controller.report import SilentReport
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.targets import mutants
 
@@ -146,8 +146,8 @@ def test_tokens_and_policy_inputs_are_watched_and_a_harmless_write_is_allowed(wo
 
 
 def test_a_change_that_does_not_repeat_when_explained_says_so():
-    from shardcheck.harness.runner import _explained, _unexplained_mutation
-    from shardcheck.harness.verdict import Failure, Verdict
+    from shardcheck.harness.controller.runner import _explained, _unexplained_mutation
+    from shardcheck.harness.controller.verdict import Failure, Verdict
 
     sc = Scenario("x", (Sample(5, 2),), vocab=4)
     first = Verdict(sc, "fail", [Failure("input_mutated", "logits changed in forward", [0], field="logits")])

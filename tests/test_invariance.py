@@ -8,7 +8,7 @@ import torch
 
 from shardcheck.cli import main
 from shardcheck.errors import BadInput
-from shardcheck.harness.invariance import (AXES, Expect, check_invariance, difference, parse_expect, ulp_distance,
+from shardcheck.harness.controller.invariance import (AXES, Expect, check_invariance, difference, parse_expect, ulp_distance,
                                            variants)
 from shardcheck.pytest_plugin import ShardcheckSession
 from shardcheck.scenarios import Sample, Scenario
@@ -111,8 +111,8 @@ def test_builtin_meets_its_declared_contract(world):
 
 @pytest.mark.world
 def test_packing_dependent_passes_run_and_breaks_packing_only(world):
-    from shardcheck.harness import runner
-    from shardcheck.harness.report import SilentReport
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import SilentReport
     from shardcheck.scenarios import get_suite
 
     assert runner.run(get_suite("smoke"), "builtin:packing_dependent", reporter=SilentReport(),

@@ -3,8 +3,8 @@
 import pytest
 
 from plants import ROUTES
-from shardcheck.harness import runner
-from shardcheck.harness.report import SilentReport
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.report import SilentReport
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.targets.mutants import MUTANTS
 

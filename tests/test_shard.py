@@ -1,6 +1,6 @@
 import torch
 
-from shardcheck.harness import shard
+from shardcheck.harness.rank import shard
 from shardcheck.harness.layout import rank_layout
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.data import BLOCK_ROWS, ScenarioData

@@ -4,9 +4,9 @@ that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT).
 Every rank runs the same controller code (pytest, as Megatron-LM's CI runs it under torchrun)
 and calls :meth:`JoinedWorld.run` with the same scenarios in the same order. Each rank runs its
 part in this process and the results are exchanged, so every rank returns the same list and
-reaches the same verdict. It offers what :func:`shardcheck.harness.runner.run` needs of a world.
+reaches the same verdict. It offers what :func:`shardcheck.harness.controller.runner.run` needs of a world.
 
-Unlike a spawned :class:`~shardcheck.harness.world.World`, a joined world cannot be restarted:
+Unlike a spawned :class:`~shardcheck.harness.controller.world.World`, a joined world cannot be restarted:
 after a failure that left the backend's groups out of step (only possible without the lockstep
 check, or when the backend itself failed) later scenarios report that instead of hanging.
 """
@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from shardcheck.errors import WorldError
-from shardcheck.harness.verdict import RANK_ERROR, Failure
+from shardcheck.harness.wire import RankResult
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -60,7 +60,7 @@ class JoinedWorld:
         import torch.distributed as dist
 
         from shardcheck.harness.backend import choose_backend, rank_device
-        from shardcheck.harness.rank import prepare
+        from shardcheck.harness.rank.main import prepare
 
         t0 = time.perf_counter()
         timeout = datetime.timedelta(seconds=self.timeout)
@@ -101,7 +101,7 @@ class JoinedWorld:
         self._runner = self._exchange = self._store = None
 
     def run(self, scenario: dict[str, Any], target: str, trace: bool = False, *, inplace: bool = True,
-            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[dict[str, Any]]:
+            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[RankResult]:
         """Run one scenario here and on every peer; every rank gets every rank's result."""
         import torch.distributed as dist
 
@@ -109,24 +109,21 @@ class JoinedWorld:
             self.start()
         self._seq += 1
         if self._out_of_step:
-            mine = _error_result(self.rank, f"not run: the world is out of step since {self._out_of_step}")
+            mine = RankResult.error(self.rank, f"not run: the world is out of step since {self._out_of_step}",
+                                    desync=False)
         else:
             mine = self._runner.run(scenario=scenario, target=target, seq=self._seq, trace_calls=trace,
                                     inplace=inplace, outputs=outputs, reference=reference,
                                     explain=explain)
-            mine["received_at"] = time.time()
+            mine.received_at = time.time()
         results: list[Any] = [None] * self.nproc
         try:
-            dist.all_gather_object(results, mine, group=self._exchange)
+            dist.all_gather_object(results, mine.to_wire(), group=self._exchange)
         except Exception as exc:  # noqa: BLE001  (a peer is gone or stuck: bounded by the timeout)
             self._out_of_step = f"scenario {scenario.get('name')!r}"
             raise WorldError(f"rank {self.rank}: exchanging results failed: {type(exc).__name__}: {exc}") from None
-        if any(r.get("desync") for r in results) and not self._out_of_step:
+        received = [RankResult.from_wire(r) for r in results]
+        if any(r.desync for r in received) and not self._out_of_step:
             self._out_of_step = f"scenario {scenario.get('name')!r}"
-        return results
+        return received
 
-
-def _error_result(rank: int, message: str) -> dict[str, Any]:
-    failure = Failure(RANK_ERROR, message, [rank], details={"at": time.time()})
-    return {"seq": None, "failures": [failure.to_dict()], "max_error": {}, "seconds": 0.0, "target": {},
-            "notes": [], "desync": False, "received_at": time.time(), "calls": 0, "trace": []}

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.harness import runner
-from shardcheck.harness.verdict import Verdict
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.verdict import Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 SRC_ENV, COMMIT_ENV = "SHARDCHECK_SLIME_SRC", "SHARDCHECK_SLIME_COMMIT"

@@ -7,53 +7,20 @@ from dataclasses import dataclass
 from dataclasses import field as _field
 from typing import Any
 
+from shardcheck.harness.wire import (  # noqa: F401  (the kinds, re-exported for the controller side)
+    COLLECTIVE_MISMATCH,
+    GRAD_MISMATCH,
+    INPUT_MUTATED,
+    INVARIANCE_VIOLATION,
+    KINDS,
+    RANK_ERROR,
+    VALUE_MISMATCH,
+    Failure,
+    RankResult,
+)
 from shardcheck.scenarios.scenario import Scenario
 
-VALUE_MISMATCH = "value_mismatch"
-GRAD_MISMATCH = "grad_mismatch"
-RANK_ERROR = "rank_error"
-COLLECTIVE_MISMATCH = "collective_mismatch"
-INPUT_MUTATED = "input_mutated"
-INVARIANCE_VIOLATION = "invariance_violation"
-KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION)
-
 PASS, FAIL, SKIP = "pass", "fail", "skip"
-
-
-@dataclass
-class Failure:
-    """One thing found wrong. Position fields are global: sample index, response token index
-    (row P - 1 + token scores it), vocab column; ``position`` is the row's place in its sample
-    (used for rows that score no token: prompt and padding rows)."""
-
-    kind: str
-    message: str
-    ranks: list[int] = _field(default_factory=list)
-    field: str | None = None  # log_probs | entropy | loss | grad; the input, for input_mutated
-    phase: str | None = None  # forward | backward, for collective mismatches and input_mutated
-    sample: int | None = None
-    token: int | None = None
-    position: int | None = None
-    column: int | None = None
-    got: float | None = None
-    want: float | None = None
-    details: dict[str, Any] = _field(default_factory=dict)
-
-    def identity(self) -> tuple:
-        """What makes two ranks' reports the same finding (TP and DP replicas repeat them)."""
-        if self.kind == COLLECTIVE_MISMATCH and "group" in self.details:
-            # members may have seen different subsets of the group when they stopped
-            return (self.kind, self.details["group"], self.details.get("call"))
-        return (self.kind, self.field, self.sample, self.token, self.position, self.column, self.message)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, {}, [])} | {
-            "ranks": self.ranks
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Failure:
-        return cls(**d)
 
 
 @dataclass
@@ -97,7 +64,7 @@ class Verdict:
         }
 
 
-def merge(scenario: Scenario, results: list[dict[str, Any]], seconds: float) -> Verdict:
+def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verdict:
     """One verdict from every rank's result; replicas' identical findings merge, ranks listed.
 
     Notes from ranks that stopped because a peer failed say where they were waiting; they are
@@ -105,10 +72,9 @@ def merge(scenario: Scenario, results: list[dict[str, Any]], seconds: float) -> 
     """
     merged: dict[tuple, Failure] = {}
     for res in results:
-        for d in res["failures"]:
-            f = Failure.from_dict(d)
-            if f.kind == COLLECTIVE_MISMATCH and "divergent_call_at" in f.details and "received_at" in res:
-                f.details["reported_after_s"] = round(res["received_at"] - f.details["divergent_call_at"], 4)
+        for f in res.failures:
+            if f.kind == COLLECTIVE_MISMATCH and "divergent_call_at" in f.details and res.received_at is not None:
+                f.details["reported_after_s"] = round(res.received_at - f.details["divergent_call_at"], 4)
             key = f.identity()
             if key in merged:
                 m = merged[key]
@@ -121,7 +87,7 @@ def merge(scenario: Scenario, results: list[dict[str, Any]], seconds: float) -> 
             else:
                 merged[key] = dataclasses.replace(f, ranks=list(f.ranks), details=dict(f.details))
     failures = sorted(merged.values(), key=_order)
-    notes = [n for res in results for n in res.get("notes", [])]
+    notes = [n for res in results for n in res.notes]
     if notes and failures and failures[0].kind in (RANK_ERROR, COLLECTIVE_MISMATCH):
         root = failures[0]
         root.details["peers_waiting"] = notes
@@ -131,9 +97,9 @@ def merge(scenario: Scenario, results: list[dict[str, Any]], seconds: float) -> 
                                    sorted({n.get("peer", -1) for n in notes}), details={"peers_waiting": notes}))
     worst: dict[str, float] = {}
     for res in results:
-        for k, v in res["max_error"].items():
+        for k, v in res.max_error.items():
             worst[k] = max(worst.get(k, 0.0), v)
-    traces = {r: res["trace"] for r, res in enumerate(results) if res.get("trace")}
+    traces = {r: res.trace for r, res in enumerate(results) if res.trace}
     return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst, traces)
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardcheck.harness.backend import choose_backend
-from shardcheck.harness.verdict import FAIL, INPUT_MUTATED, SKIP, Verdict, merge
-from shardcheck.harness.world import World
+from shardcheck.harness.controller.verdict import FAIL, INPUT_MUTATED, SKIP, Verdict, merge
+from shardcheck.harness.controller.world import World
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
 
@@ -75,15 +75,17 @@ def run(
     """
     target: Target = resolve(target_spec)
     t0 = time.perf_counter()
-    skips: dict[str, str] = {}
-    for sc in scenarios:
+    # A given world has its size already: scenarios it cannot hold are skipped, not run on it.
+    given = world.nproc if world is not None else nproc
+    skips: dict[int, str] = {}  # by place in the list: two scenarios may share a name
+    for i, sc in enumerate(scenarios):
         reason = target.capabilities.skip_reason(sc)
-        if reason is None and nproc is not None and nproc % sc.ranks:
-            reason = f"needs tp*cp={sc.ranks} to divide the world size {nproc}"
+        if reason is None and given is not None and given % sc.ranks:
+            reason = f"needs tp*cp={sc.ranks} ranks to divide the world size {given}"
         if reason is not None:
-            skips[sc.name] = reason
-    runnable = [sc for sc in scenarios if sc.name not in skips]
-    size = world.nproc if world is not None else nproc or world_size_for(runnable)
+            skips[i] = reason
+    runnable = [(i, sc) for i, sc in enumerate(scenarios) if i not in skips]
+    size = given or world_size_for([sc for _, sc in runnable])
     backend_why = "the given world's"
     if world is None:
         backend, backend_why = choose_backend(backend, size)
@@ -91,8 +93,8 @@ def run(
                             "backend": world.backend if world is not None else backend, "backend_why": backend_why,
                             "lockstep": world.lockstep if world is not None else lockstep}
     reporter.start(info, list(scenarios))
-    verdicts = [Verdict(sc, SKIP, reason=skips[sc.name]) for sc in scenarios if sc.name in skips]
-    for v in verdicts:
+    verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
+    for _, v in verdicts:
         reporter.add(v)
     own_world = world is None and bool(runnable)
     if own_world:
@@ -101,7 +103,7 @@ def run(
         if own_world:
             world.start()  # start-up is reported on its own, not charged to the first scenario
         # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
-        for sc in sorted(runnable, key=lambda s: (s.tp, s.cp)):
+        for i, sc in sorted(runnable, key=lambda p: (p[1].tp, p[1].cp)):
             started = time.perf_counter()
             results = world.run(sc.to_dict(), target_spec, trace=trace, inplace=inplace)
             verdict = merge(sc, results, time.perf_counter() - started)
@@ -110,9 +112,9 @@ def run(
                 # run the scenario again with it (every rank decides the same, from the verdict)
                 again = world.run(sc.to_dict(), target_spec, trace=trace, inplace=True, explain=True)
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
-            if results and results[0].get("target"):
-                info["target"] = results[0]["target"]
-            verdicts.append(verdict)
+            if results and results[0].target:
+                info["target"] = results[0].target
+            verdicts.append((i, verdict))
             reporter.add(verdict)
     finally:
         if world is not None:
@@ -120,7 +122,6 @@ def run(
         if own_world:
             world.close()
         info["wall_seconds"] = round(time.perf_counter() - t0, 3)
-        order = {sc.name: i for i, sc in enumerate(scenarios)}
-        verdicts.sort(key=lambda v: order[v.scenario.name])  # suite order, whatever ran first
+        verdicts.sort(key=lambda p: p[0])  # suite order, whatever ran first
         reporter.finish(info)
-    return RunResult(verdicts, info)
+    return RunResult([v for _, v in verdicts], info)

@@ -11,8 +11,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from shardcheck.harness.invariance import QUANTITIES, InvarianceResult
-from shardcheck.harness.report import clip, show_progress
+from shardcheck.harness.controller.invariance import QUANTITIES, InvarianceResult
+from shardcheck.harness.controller.report import clip, show_progress
 
 MAX_VIOLATIONS_SHOWN = 12
 

@@ -1,6 +1,6 @@
 """The rank side: a process that joins the world once, then runs scenario after scenario.
 
-It imports the protocol, the groups, the layouts and shards, the target and the comparison,
+It imports the wire, the groups, the layouts and shards, the target and the comparison,
 never the controller. Each scenario: configure groups -> layout -> local shard -> target ->
 outputs -> loss and backward -> comparison with the reference -> a result message.
 """
@@ -27,7 +27,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
     dump = open(options["traceback_file"], "w")  # noqa: SIM115 (lives as long as the process)
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
 
-    from shardcheck.harness import protocol
+    from shardcheck.harness import wire
 
     t0 = time.perf_counter()
     try:
@@ -47,19 +47,19 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         runner = prepare(rank, world_size, "127.0.0.1", store_port, options, device)
     except BaseException as exc:  # noqa: BLE001  (reported to the controller, then exit)
-        conn.send(protocol.message(protocol.FATAL, error=protocol.error_payload(exc)))
+        conn.send(wire.message(wire.FATAL, error=wire.error_payload(exc)))
         return
-    conn.send(protocol.message(protocol.READY, pid=os.getpid(), seconds=time.perf_counter() - t0))
+    conn.send(wire.message(wire.READY, pid=os.getpid(), seconds=time.perf_counter() - t0))
 
     while True:
         try:
             name, kwargs = conn.recv()
         except (EOFError, OSError):  # the controller is gone
             break
-        if name == protocol.STOP:
+        if name == wire.STOP:
             break
-        if name == protocol.RUN:
-            conn.send(protocol.message(protocol.RESULT, **runner.run(**kwargs)))
+        if name == wire.RUN:
+            conn.send(wire.message(wire.RESULT, **runner.run(**kwargs).to_wire()))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001  (best effort on the way out)
@@ -71,7 +71,7 @@ def prepare(rank: int, world_size: int, store_host: str, store_port: int, option
     """Ready this process, already in the default process group, to run scenarios: group
     timeouts, megatron's import, the collective trace and the lockstep check (over the store at
     ``store_host:store_port``). Used by spawned ranks and by a joined world (torchrun) alike."""
-    from shardcheck.harness import groups, trace
+    from shardcheck.harness.rank import groups, trace
 
     groups.set_timeout(options["collective_timeout"])
     import megatron.core.parallel_state  # noqa: F401  (pay the import before the first scenario)
@@ -79,7 +79,7 @@ def prepare(rank: int, world_size: int, store_host: str, store_port: int, option
     trace.install()
     lockstep = None
     if options.get("lockstep", True):
-        from shardcheck.harness.lockstep import Lockstep
+        from shardcheck.harness.rank.lockstep import Lockstep
 
         lockstep = Lockstep(store_port, rank, world_size, options["collective_timeout"], label=groups.label,
                             host=store_host)
@@ -133,9 +133,10 @@ class RankRunner:
         found); ``outputs``: send back the target's own
         outputs and logit gradient, bit for bit (the invariance check compares them);
         ``reference``: compare values and gradient with the float64 reference."""
-        from shardcheck.harness import protocol, trace
-        from shardcheck.harness.lockstep import CollectiveMismatch, LockstepTimeout, PeerStopped
-        from shardcheck.harness.verdict import COLLECTIVE_MISMATCH, RANK_ERROR, Failure
+        from shardcheck.harness import wire
+        from shardcheck.harness.rank import trace
+        from shardcheck.harness.rank.lockstep import CollectiveMismatch, LockstepTimeout, PeerStopped
+        from shardcheck.harness.wire import COLLECTIVE_MISMATCH, RANK_ERROR, Failure, RankResult
 
         t0 = time.perf_counter()
         lockstep = self.lockstep
@@ -166,7 +167,7 @@ class RankRunner:
 
             # where: the innermost frame outside torch (and shardcheck's pass-through wrappers),
             # i.e. the call site in the target
-            err = protocol.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
+            err = wire.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
             what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
             msg = f"rank {self.rank} hung: {exc}" if isinstance(exc, LockstepTimeout) else f"rank {self.rank} {what}"
             failures = [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
@@ -181,20 +182,14 @@ class RankRunner:
         # Without lockstep a raise may leave peers mid-collective; with it, only a failure inside
         # the backend can. The controller then restarts the world before the next scenario.
         desync = trace.backend_failed() or (raised and lockstep is None)
-        return {
-            "seq": seq,
-            "failures": [f.to_dict() for f in failures],
-            "max_error": errors,
-            "seconds": time.perf_counter() - t0,
-            "target": described,
-            "notes": notes,
-            "desync": desync,
-            "calls": len(calls.calls) if calls is not None else 0,
+        return RankResult(
+            self.rank, seq, failures, errors, time.perf_counter() - t0, described, notes, desync,
+            calls=len(calls.calls) if calls is not None else 0,
             # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
-            "trace": _trace_payload(calls, trace_calls, bool(failures or notes)),
+            trace=_trace_payload(calls, trace_calls, bool(failures or notes)),
             # the target's outputs as raw data (only when asked for, and only when it ran through)
-            "outputs": produced,
-        }
+            outputs=produced,
+        )
 
     def _stop(self, reason: str) -> None:
         if self.lockstep is not None:
@@ -207,12 +202,12 @@ class RankRunner:
              reference: bool, explain: bool) -> tuple[list, dict, dict, dict | None]:
         import torch
 
-        from shardcheck.harness import groups, shard
-        from shardcheck.harness.compare import compare_grad, compare_loss, compare_outputs
-        from shardcheck.harness.inplace import InputGuard, guard_gradients, guard_inputs
+        from shardcheck.harness.rank import groups, shard
+        from shardcheck.harness.rank.compare import compare_grad, compare_loss, compare_outputs
+        from shardcheck.harness.rank.inplace import InputGuard, guard_gradients, guard_inputs
         from shardcheck.harness.layout import rank_layout
-        from shardcheck.harness.loss import policy_gradients, share_gradients
-        from shardcheck.harness.outputs import rank_outputs
+        from shardcheck.harness.rank.loss import policy_gradients, share_gradients
+        from shardcheck.harness.rank.outputs import rank_outputs
         from shardcheck.scenarios import Scenario
         from shardcheck.scenarios.data import ScenarioData
         from shardcheck.targets import RankInputs, loss_form

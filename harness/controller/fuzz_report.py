@@ -8,8 +8,8 @@ import shlex
 import sys
 from typing import TextIO
 
-from shardcheck.harness.fuzz import Event, FuzzResult
-from shardcheck.harness.report import MAX_FAILURES_SHOWN, clip, rank_list, show_progress
+from shardcheck.harness.controller.fuzz import Event, FuzzResult
+from shardcheck.harness.controller.report import MAX_FAILURES_SHOWN, clip, rank_list, show_progress
 from shardcheck.scenarios.scenario import Scenario
 
 

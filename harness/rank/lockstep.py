@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardcheck.harness.trace import POINT_TO_POINT, Call
+from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
 
 SLICE_S = 0.05  # how long a wait blocks before it looks at the peers' status
 LAST_MATCHED = 3

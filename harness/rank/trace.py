@@ -67,7 +67,7 @@ STACK_SHOWN = 3
 # decorators that wrap torch's API (deprecation shims)
 _SKIPPED = (
     os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # all of the harness
     sysconfig.get_paths()["stdlib"] + os.sep,
     os.path.join(sysconfig.get_paths()["purelib"], "typing_extensions.py"),
     # shardcheck's pass-through wrappers between a caller under test and the function it calls

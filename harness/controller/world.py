@@ -20,9 +20,9 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from shardcheck.errors import WorldError
-from shardcheck.harness import protocol
-from shardcheck.harness.rank import rank_main
-from shardcheck.harness.verdict import RANK_ERROR, Failure
+from shardcheck.harness import wire
+from shardcheck.harness.rank.main import rank_main
+from shardcheck.harness.wire import RankResult
 
 DEATH_GRACE_S = 3.0  # after a rank dies, how long its peers get to report before they are ended
 
@@ -110,10 +110,10 @@ class World:
                     try:
                         name, kwargs = self._conns[r].recv()
                     except (EOFError, OSError):
-                        name, kwargs = protocol.FATAL, {"error": {"type": "EOFError", "message": "pipe closed"}}
-                    if name == protocol.READY:
+                        name, kwargs = wire.FATAL, {"error": {"type": "EOFError", "message": "pipe closed"}}
+                    if name == wire.READY:
                         waiting.discard(r)
-                    elif name == protocol.FATAL:
+                    elif name == wire.FATAL:
                         e = kwargs["error"]
                         raise WorldError(f"rank {r} failed to start: {e['type']}: {e['message']}")
                 elif self._procs[r].sentinel in ready:
@@ -124,7 +124,7 @@ class World:
         """End every rank (politely, then by force) and release the store; idempotent."""
         for conn in self._conns:
             try:
-                conn.send(protocol.message(protocol.STOP))
+                conn.send(wire.message(wire.STOP))
             except (OSError, ValueError):
                 pass
         deadline = time.perf_counter() + 5.0
@@ -150,7 +150,7 @@ class World:
 
     # -- work -------------------------------------------------------------------------------
     def run(self, scenario: dict[str, Any], target: str, trace: bool = False, *, inplace: bool = True,
-            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[dict[str, Any]]:
+            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[RankResult]:
         """Run one scenario on every rank; one result dict per rank, always, within the timeout.
 
         A rank that raised, died or hung comes back as a result holding a ``rank_error``.
@@ -164,10 +164,10 @@ class World:
         self._seq += 1
         seq = self._seq
         for conn in self._conns:
-            conn.send(protocol.message(protocol.RUN, scenario=scenario, target=target, seq=seq, trace_calls=trace,
+            conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq, trace_calls=trace,
                                        inplace=inplace, outputs=outputs, reference=reference,
                                        explain=explain))
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, RankResult] = {}
         deadline = time.perf_counter() + self.timeout + 10.0  # ranks time out first, by themselves
         while len(results) < self.nproc:
             pending = [r for r in range(self.nproc) if r not in results]
@@ -189,10 +189,10 @@ class World:
                 if dead and r not in results:
                     self._procs[r].join(timeout=1.0)
                     why = f"rank {r} died ({_exit_text(self._procs[r].exitcode)})"
-                    results[r] = _error_result(r, why)
+                    results[r] = RankResult.error(r, why, desync=True)
                     self._say_died(seq, r, why)
                     deadline = min(deadline, time.perf_counter() + DEATH_GRACE_S)
-        if any(res.get("desync") for res in results.values()):
+        if any(res.desync for res in results.values()):
             self._healthy = False  # the backend's groups may be out of step: restart before the next one
         return [results[r] for r in range(self.nproc)]
 
@@ -200,7 +200,7 @@ class World:
         """Tell the dead rank's peers (waiting in lockstep) at once, instead of by timeout."""
         import json
 
-        from shardcheck.harness.lockstep import status_key
+        from shardcheck.harness.rank.lockstep import status_key
 
         try:
             self._store.set(status_key(seq, rank), json.dumps({"state": "died", "reason": why}))
@@ -209,13 +209,15 @@ class World:
 
     def _on_result(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
         """Emitted when a rank has finished a scenario."""
-        if kwargs["seq"] == seq:
-            results[rank] = kwargs | {"received_at": time.time()}
+        result = RankResult.from_wire(kwargs)
+        if result.seq == seq:
+            result.received_at = time.time()
+            results[rank] = result
 
     def _on_fatal(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
         """Emitted when a rank cannot go on."""
         e = kwargs["error"]
-        results[rank] = _error_result(rank, f"rank {rank} failed: {e['type']}: {e['message']}")
+        results[rank] = RankResult.error(rank, f"rank {rank} failed: {e['type']}: {e['message']}", desync=True)
 
     def _on_ready(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
         """Emitted once per start; late ones are harmless."""
@@ -224,8 +226,8 @@ class World:
         stacks = self._stacks(pending)
         for r in pending:
             where = stacks.get(r) or "no stack available"
-            results[r] = _error_result(r, f"rank {r} hung: {why}; it was at {where}",
-                                       details={"stack": stacks.get(r, "")})
+            results[r] = RankResult.error(r, f"rank {r} hung: {why}; it was at {where}", desync=True,
+                                          details={"stack": stacks.get(r, "")})
         self._healthy = False
         self.close()
 
@@ -276,8 +278,3 @@ def _exit_text(code: int | None) -> str:
             return f"killed by signal {-code}"
     return f"exit code {code}"
 
-
-def _error_result(rank: int, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
-    failure = Failure(RANK_ERROR, message, [rank], details={"at": time.time(), **(details or {})})
-    return {"seq": None, "failures": [failure.to_dict()], "max_error": {}, "seconds": 0.0, "target": {},
-            "notes": [], "desync": True, "received_at": time.time()}

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardcheck.harness import trace
-from shardcheck.harness.verdict import INPUT_MUTATED, Failure
+from shardcheck.harness.rank import trace
+from shardcheck.harness.wire import INPUT_MUTATED, Failure
 
 # A changed element's place, in global terms: the Failure fields it fills in (sample, token,
 # position, column) and the words that name it.

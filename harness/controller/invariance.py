@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.verdict import INVARIANCE_VIOLATION, Failure, Verdict, merge
+from shardcheck.harness.controller.verdict import INVARIANCE_VIOLATION, Failure, RankResult, Verdict, merge
 from shardcheck.scenarios.scenario import CP_LAYOUTS, Sample, Scenario, data_id
 
 AXES = ("rerun", "tp", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")
@@ -186,17 +186,17 @@ class SampleOutputs:
     grad: torch.Tensor | None = None  # [total, vocab]
 
 
-def assemble(scenario: Scenario, results: Sequence[dict[str, Any]]) -> dict[int, SampleOutputs] | None:
+def assemble(scenario: Scenario, results: Sequence[RankResult]) -> dict[int, SampleOutputs] | None:
     """Per data_id, the whole outputs of a run (the first data-parallel replica's ranks); None
     when some rank sent none (it failed before its outputs existed)."""
     ranks = results[: scenario.ranks]
-    if any(r.get("outputs") is None for r in ranks):
+    if any(r.outputs is None for r in ranks):
         return None
     out: dict[int, SampleOutputs] = {}
     for i, s in enumerate(scenario.samples):
         got = SampleOutputs()
         for name in ("log_probs", "entropy"):
-            parts = [(js, t) for r in ranks for (k, js, t) in r["outputs"]["values"].get(name, []) if k == i]
+            parts = [(js, t) for r in ranks for (k, js, t) in r.outputs["values"].get(name, []) if k == i]
             if not parts:
                 continue
             full = torch.zeros(s.response, dtype=parts[0][1].dtype)
@@ -205,7 +205,7 @@ def assemble(scenario: Scenario, results: Sequence[dict[str, Any]]) -> dict[int,
                 idx = torch.tensor(js, dtype=torch.int64)
                 full[idx], seen[idx] = t, True
             setattr(got, name, full if bool(seen.all()) else None)
-        pieces = [(p, c, t) for r in ranks for (k, p, c, t) in r["outputs"]["grad"] if k == i]
+        pieces = [(p, c, t) for r in ranks for (k, p, c, t) in r.outputs["grad"] if k == i]
         if pieces:
             grad = torch.zeros(s.total, scenario.vocab, dtype=pieces[0][2].dtype)
             for p, c, t in pieces:
@@ -347,7 +347,7 @@ def _violation(axis: str, quantity: str, expect: Expect, w: dict[str, Any], d: D
 
 
 # -- the check -----------------------------------------------------------------------------------
-RunFn = Callable[[Scenario], list[dict[str, Any]]]
+RunFn = Callable[[Scenario], list[RankResult]]
 
 
 class Invariance:
@@ -451,8 +451,8 @@ def check_invariance(
     ``on_base`` is called with the result so far after each base scenario (a report rewritten
     then keeps what was found if the run is stopped)."""
     from shardcheck.harness.backend import choose_backend
-    from shardcheck.harness.runner import world_size_for
-    from shardcheck.harness.world import World
+    from shardcheck.harness.controller.runner import world_size_for
+    from shardcheck.harness.controller.world import World
     from shardcheck.targets import resolve
 
     axes = check_axes(axes)
@@ -464,11 +464,11 @@ def check_invariance(
     if own_world:
         backend, backend_why = choose_backend(backend, size)
         world = World(size, timeout=timeout, backend=backend)
-    def run(sc: Scenario) -> list[dict[str, Any]]:
+    def run(sc: Scenario) -> list[RankResult]:
         # outputs only: values against the reference and the in-place check are `run`'s business
         results = world.run(sc.to_dict(), target_spec, outputs=True, reference=False, inplace=False)
-        if results and results[0].get("target"):
-            res.target = results[0]["target"]  # as the ranks describe it (slime: commit, era)
+        if results and results[0].target:
+            res.target = results[0].target  # as the ranks describe it (slime: commit, era)
         return results
 
     check = Invariance(target, axes, contract, size, run, on_run)

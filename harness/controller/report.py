@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from shardcheck.harness.verdict import FAIL, PASS, SKIP, Verdict
+from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 MAX_FAILURES_SHOWN = 8
@@ -25,6 +25,7 @@ class JsonReport:
     def __init__(self, path: str, meta: dict[str, Any] | None = None) -> None:
         self.path = path
         self.verdicts: list[Verdict] = []
+        self.order: dict[int, int] = {}
         self.doc: dict[str, Any] = {
             "shardcheck": _version(),
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -36,6 +37,7 @@ class JsonReport:
     def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
         self.doc.update(info)
         self.doc["planned"] = len(scenarios)
+        self.order = suite_order(scenarios)
         self._write()
 
     def add(self, verdict: Verdict) -> None:
@@ -47,9 +49,13 @@ class JsonReport:
         self.doc["complete"] = len(self.verdicts) == self.doc.get("planned", len(self.verdicts))
         self._write()
 
+    def order_of(self, v: Verdict) -> int:
+        return self.order.get(id(v.scenario), len(self.order))
+
     def _write(self) -> None:
         self.doc["summary"] = _counts(self.verdicts)
-        self.doc["scenarios"] = [v.to_dict() for v in self.verdicts]
+        # in suite order all along, not in the order they ran (grouped by tp, cp)
+        self.doc["scenarios"] = [v.to_dict() for v in sorted(self.verdicts, key=self.order_of)]
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             json.dump(self.doc, f, indent=1, default=str)
@@ -64,12 +70,12 @@ class TerminalReport:
         self.live = err.isatty()
         self.verdicts: list[Verdict] = []
         self.total = 0
-        self.order: dict[str, int] = {}
+        self.order: dict[int, int] = {}
         self.t0 = time.perf_counter()
 
     def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
         self.total, self.t0 = len(scenarios), time.perf_counter()
-        self.order = {sc.name: i for i, sc in enumerate(scenarios)}
+        self.order = suite_order(scenarios)
         total = self.total
         t = info.get("target", {})
         if not self.quiet:
@@ -88,11 +94,16 @@ class TerminalReport:
     def finish(self, info: dict[str, Any]) -> None:
         if self.live and not self.quiet:
             print(file=self.err)
-        in_suite_order = sorted(self.verdicts, key=lambda v: self.order.get(v.scenario.name, 0))
+        in_suite_order = sorted(self.verdicts, key=lambda v: self.order.get(id(v.scenario), 0))
         try:
             print(render_table(in_suite_order, info), file=self.out, flush=True)
         except BrokenPipeError:  # piped into head: the verdicts (and exit status) still stand
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
+
+
+def suite_order(scenarios: list[Scenario]) -> dict[int, int]:
+    """Each scenario object's place in the suite (objects, not names: two may share a name)."""
+    return {id(sc): i for i, sc in enumerate(scenarios)}
 
 
 def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """Property-based search for a failing scenario.
 
 Hypothesis draws scenarios (:mod:`shardcheck.scenarios.strategies`), one world started once runs
-each of them through :func:`shardcheck.harness.runner.run`, and a ``fail`` verdict is the
+each of them through :func:`shardcheck.harness.controller.runner.run`, and a ``fail`` verdict is the
 property's failure: hypothesis shrinks it to the smallest scenario that still fails, which is
 written as a scenario file that ``shardcheck run --scenario-file`` replays.
 
@@ -25,11 +25,11 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.errors import Flaky, Unsatisfiable
 
 from shardcheck.errors import BadInput
-from shardcheck.harness import runner
+from shardcheck.harness.controller import runner
 from shardcheck.harness.backend import choose_backend
-from shardcheck.harness.report import SilentReport
-from shardcheck.harness.verdict import FAIL, PASS, SKIP, Verdict
-from shardcheck.harness.world import World
+from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, Verdict
+from shardcheck.harness.controller.world import World
 from shardcheck.scenarios import strategies
 from shardcheck.scenarios.scenario import LAYOUTS, Scenario
 

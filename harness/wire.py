@@ -1,0 +1,132 @@
+"""The wire: the only module both sides import, and the only things that cross between them.
+
+Messages are ``(name, kwargs)`` tuples of plain data. A rank's answer to ``run`` is one
+:class:`RankResult`, built by :meth:`RankResult.error` (for a rank that raised, died or hung,
+on either side) or by the rank's runner, and serialized by :meth:`RankResult.to_wire` /
+:meth:`RankResult.from_wire` alone (as pytest-xdist serializes its reports in one place).
+
+Controller -> rank:
+    run   scenario (dict), target (spec str), seq (int), trace_calls (bool), inplace (bool: check
+          the inputs stay unchanged), outputs (bool: send the target's outputs back), reference (bool:
+          compare with the float64 reference), explain (bool: find the call site of the first in-place
+          write into an input)                                      run one scenario
+    stop                                                   leave the loop and exit
+Rank -> controller (the controller adds who sent it on arrival):
+    ready   pid, seconds                                   joined the world, waiting for work
+    result  a RankResult, as RankResult.to_wire gives it
+    fatal   error (dict)                                   cannot go on; the rank exits
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from dataclasses import dataclass
+from dataclasses import field as _field
+from typing import Any
+
+RUN, STOP = "run", "stop"
+READY, RESULT, FATAL = "ready", "result", "fatal"
+
+
+def message(name: str, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+    return name, kwargs
+
+
+def error_payload(exc: BaseException, skip_prefixes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An exception as plain data: type, message, where it was raised, and the traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = None
+    for fr in reversed(frames):
+        if not any(fr.filename.startswith(p) for p in skip_prefixes):
+            where = f"{fr.filename}:{fr.lineno} in {fr.name}"
+            break
+    if where is None and frames:
+        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc).strip().splitlines()[0][:500] if str(exc).strip() else "",
+        "where": where,
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:],
+    }
+
+
+VALUE_MISMATCH = "value_mismatch"
+GRAD_MISMATCH = "grad_mismatch"
+RANK_ERROR = "rank_error"
+COLLECTIVE_MISMATCH = "collective_mismatch"
+INPUT_MUTATED = "input_mutated"
+INVARIANCE_VIOLATION = "invariance_violation"
+KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION)
+
+@dataclass
+class Failure:
+    """One thing found wrong. Position fields are global: sample index, response token index
+    (row P - 1 + token scores it), vocab column; ``position`` is the row's place in its sample
+    (used for rows that score no token: prompt and padding rows)."""
+
+    kind: str
+    message: str
+    ranks: list[int] = _field(default_factory=list)
+    field: str | None = None  # log_probs | entropy | loss | grad; the input, for input_mutated
+    phase: str | None = None  # forward | backward, for collective mismatches and input_mutated
+    sample: int | None = None
+    token: int | None = None
+    position: int | None = None
+    column: int | None = None
+    got: float | None = None
+    want: float | None = None
+    details: dict[str, Any] = _field(default_factory=dict)
+
+    def identity(self) -> tuple:
+        """What makes two ranks' reports the same finding (TP and DP replicas repeat them)."""
+        if self.kind == COLLECTIVE_MISMATCH and "group" in self.details:
+            # members may have seen different subsets of the group when they stopped
+            return (self.kind, self.details["group"], self.details.get("call"))
+        return (self.kind, self.field, self.sample, self.token, self.position, self.column, self.message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, {}, [])} | {
+            "ranks": self.ranks
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Failure:
+        return cls(**d)
+
+
+@dataclass
+class RankResult:
+    """What one rank sends back for one scenario (or what the controller says for it when it
+    raised, died or hung before it could)."""
+
+    rank: int
+    seq: int | None
+    failures: list[Failure] = _field(default_factory=list)
+    max_error: dict[str, float] = _field(default_factory=dict)  # field -> max |got - want|
+    seconds: float = 0.0
+    target: dict[str, Any] = _field(default_factory=dict)  # the target's describe(), as the rank saw it
+    notes: list[dict[str, Any]] = _field(default_factory=list)  # why a peer stopped, as it said
+    desync: bool = False  # the backend's groups may be out of step: restart before the next scenario
+    calls: int = 0  # collectives traced
+    trace: list[dict[str, Any]] = _field(default_factory=list)  # call records (a failure's, or all)
+    outputs: dict[str, Any] | None = None  # the target's outputs, when asked for (invariance)
+    received_at: float | None = None  # set by the controller on arrival
+
+    @classmethod
+    def error(cls, rank: int, message: str, *, desync: bool, details: dict[str, Any] | None = None
+              ) -> RankResult:
+        """A rank that raised, died or hung: one ``rank_error`` naming it."""
+        now = time.time()
+        failure = Failure(RANK_ERROR, message, [rank], details={"at": now, **(details or {})})
+        return cls(rank, None, [failure], desync=desync, received_at=now)
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["failures"] = [f.to_dict() for f in self.failures]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> RankResult:
+        return cls(**(d | {"failures": [Failure.from_dict(f) for f in d["failures"]]}))
