@@ -20,6 +20,7 @@ Rank -> controller (the controller adds who sent it on arrival):
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,16 +35,26 @@ def message(name: str, **kwargs: Any) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
+def short_path(path: str) -> str:
+    """A source path as every report shows it: from the package root for installed code
+    (``site-packages/x/y.py`` -> ``x/y.py``), relative to the working folder for the rest."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    cwd = os.getcwd() + os.sep
+    return path[len(cwd):] if path.startswith(cwd) else path
+
+
 def error_payload(exc: BaseException, skip_prefixes: tuple[str, ...] = ()) -> dict[str, Any]:
     """An exception as plain data: type, message, where it was raised, and the traceback."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = None
     for fr in reversed(frames):
         if not any(fr.filename.startswith(p) for p in skip_prefixes):
-            where = f"{fr.filename}:{fr.lineno} in {fr.name}"
+            where = f"{short_path(fr.filename)}:{fr.lineno} in {fr.name}"
             break
     if where is None and frames:
-        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
+        where = f"{short_path(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
     return {
         "type": type(exc).__name__,
         "message": str(exc).strip().splitlines()[0][:500] if str(exc).strip() else "",
@@ -84,6 +95,10 @@ class Failure:
         if self.kind == COLLECTIVE_MISMATCH and "group" in self.details:
             # members may have seen different subsets of the group when they stopped
             return (self.kind, self.details["group"], self.details.get("call"))
+        if self.kind == RANK_ERROR and "type" in self.details:
+            # the same exception raised at the same place on several ranks is one finding
+            d = self.details
+            return (self.kind, d["type"], d.get("message"), d.get("where"))
         return (self.kind, self.field, self.sample, self.token, self.position, self.column, self.message)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The built-in ``regressions`` suite: named scenarios that expose each bug class of CONTEXT.md
-(and each mutant of ``builtin``)."""
+"""The built-in ``regressions`` suite: named scenarios that expose each kind of bug the
+frameworks have shipped (and each mutant of ``builtin`` that ``run`` finds)."""
 
 from __future__ import annotations
 
@@ -15,20 +15,22 @@ def regressions() -> list[Scenario]:
     return [
         Scenario("ag-empty-local-slices", LONG_PROMPTS, vocab=32, cp=2, layout="allgather", entropy_coef=0.0,
                  seed=201, description="all-gather CP, entropy_coef 0: rank 0 has only empty slices, "
-                 "rank 1 an empty zigzag share (classes 1, 2, 3)"),
+                 "rank 1 an empty zigzag share (None entropy, a skipped collective, placeholders that "
+                 "require grad on some ranks)"),
         Scenario("ag-entropy-grad", LONG_PROMPTS + (Sample(30, 20),), vocab=32, tp=2, cp=2, layout="allgather",
                  entropy_coef=0.1, log_probs_chunk_size=7, seed=202,
-                 description="all-gather CP with an entropy gradient (classes 4, 5)"),
+                 description="all-gather CP with an entropy gradient (entropy without its gradient, the "
+                 "decision made at one call site)"),
         Scenario("thd-tp2-chunks", (Sample(23, 9), Sample(14, 6), Sample(9, 1)), vocab=32, tp=2, entropy_coef=0.1,
                  log_probs_chunk_size=4, temperature=0.9, seed=203,
-                 description="packed, TP 2, chunk 4 (class 6, TP collectives)"),
+                 description="packed, TP 2, chunk 4 (chunk off-by-ones, TP collectives)"),
         Scenario("zigzag-tp2cp2-empty-share", LONG_PROMPTS, vocab=32, tp=2, cp=2, layout="zigzag",
                  entropy_coef=0.05, seed=204, description="zigzag CP with a rank holding no response token"),
         Scenario("bshd-tp4-boundaries", (Sample(12, 5), Sample(7, 1), Sample(30, 29)), vocab=32, tp=4,
                  layout="bshd", log_probs_chunk_size=5, entropy_coef=0.2, seed=205,
-                 description="padded batch, prompt length 1, response length 1 (class 6)"),
+                 description="padded batch, prompt length 1, response length 1 (boundary off-by-ones)"),
         Scenario("zigzag-response-on-chunk-start", (Sample(36, 17), Sample(13, 4)), vocab=32, cp=2,
                  layout="zigzag", entropy_coef=0.1, seed=206,
                  description="zigzag CP, responses starting on the first row of a CP chunk, with and without "
-                 "zigzag padding (class 6)"),
+                 "zigzag padding (a length-dependent off-by-one)"),
     ]

@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="shardcheck", description=__doc__.splitlines()[0])
+    p = _Parser(prog="shardcheck", description=__doc__.splitlines()[0].replace("``", ""))
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     r = sub.add_parser("run", help="check a target against a suite or scenario file")
     _world_options(r)
@@ -118,7 +118,10 @@ def _name_list(text: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # argparse would blame the top-level parser; name the command's help
+            where = f"shardcheck {args.command} --help" if args.command else "shardcheck --help"
+            raise BadInput(f"unrecognized arguments: {' '.join(extra)} (see {where})")
         if args.command == "run":
             return _run(args)
         if args.command == "fuzz":
@@ -277,12 +280,7 @@ def _bisect(args: argparse.Namespace) -> int:
     scenarios = _select(args)
 
     def progress(step) -> None:
-        if step.signature is None:
-            state = f"skipped ({step.why_skipped[:120]})"
-        else:
-            failed = sum(v.status == "fail" for v in step.verdicts)
-            state = f"{failed} of {len(step.verdicts)} scenarios failed"
-        print(f"shardcheck bisect: {step.commit[:12]} {state}", file=sys.stderr, flush=True)
+        print(f"shardcheck bisect: {step.commit[:12]} {bisect_state(step)}", file=sys.stderr, flush=True)
 
     result = bisect(args.slime_repo, args.good, args.bad, scenarios, args.target, timeout=args.timeout,
                     reporter_factory=lambda: TerminalReport(quiet=True, out=open(os.devnull, "w")),
@@ -300,6 +298,16 @@ def _bisect(args: argparse.Namespace) -> int:
     print()
     print(render_table(step.verdicts, step.info))
     return EXIT_OK
+
+
+def bisect_state(step) -> str:
+    """One commit's verdicts as bisect prints them: each failed scenario with its kinds, so a
+    change of kinds between two commits (all failing at both) is seen."""
+    if step.signature is None:
+        return f"skipped ({step.why_skipped[:120]})"
+    failed = [v for v in step.verdicts if v.status == "fail"]
+    kinds = ", ".join(f"{v.scenario.name}: {'+'.join(v.kinds)}" for v in failed)
+    return f"{len(failed)} of {len(step.verdicts)} scenarios failed" + (f" ({kinds})" if kinds else "")
 
 
 def _suites() -> int:

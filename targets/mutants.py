@@ -1,5 +1,5 @@
-"""Mutants of the builtin target: one small, named variation of the correct code per bug class
-of CONTEXT.md, each run as ``builtin:NAME``. Each states the failure the harness must report
+"""Mutants of the builtin target: one small, named variation of the correct code per kind of bug
+seen in the frameworks' public history, each run as ``builtin:NAME``. Each states the failure the harness must report
 (kind and phase) on the ``regressions`` suite; tests hold the harness to it.
 """
 
@@ -21,7 +21,7 @@ class Mutant(BuiltinTarget):
 
 
 class EntropyNone(Mutant):
-    """class 1: entropy None (not an empty tensor) for a sample with an empty all-gather slice;
+    """empty slice, None entropy: entropy None (not an empty tensor) for a sample with an empty all-gather slice;
     the redistribution crashes on those ranks while their peers wait in the all-reduce"""
 
     expected = ("rank_error", None)
@@ -32,7 +32,7 @@ class EntropyNone(Mutant):
 
 
 class SkipEmptyRank(Mutant):
-    """class 2: a rank whose every all-gather slice is empty skips the redistribution all-reduce
+    """a rank with only empty slices skips a collective: a rank whose every all-gather slice is empty skips the redistribution all-reduce
     (and returns zeros): the others hang in forward"""
 
     expected = ("collective_mismatch", "forward")
@@ -44,7 +44,7 @@ class SkipEmptyRank(Mutant):
 
 
 class GradPlaceholder(Mutant):
-    """class 3: zero placeholders for empty slices that require grad while the real (entropy_coef
+    """placeholders that require grad on some ranks only: zero placeholders for empty slices that require grad while the real (entropy_coef
     = 0, hence non-differentiable) entropy slices do not: the backward all-reduce runs on some
     ranks only, a hang in backward ("comm stuck in DSA")"""
 
@@ -57,7 +57,7 @@ class GradPlaceholder(Mutant):
 
 
 class EntropyNoGrad(Mutant):
-    """class 4: entropy computed without gradient even when entropy_coef != 0: silently wrong
+    """entropy without its gradient: entropy computed without gradient even when entropy_coef != 0: silently wrong
     gradients, no hang"""
 
     expected = ("grad_mismatch", None)
@@ -67,7 +67,7 @@ class EntropyNoGrad(Mutant):
 
 
 class EntropyGradInverted(Mutant):
-    """class 4: the entropy-gradient condition inverted (kept only when entropy_coef == 0)"""
+    """entropy without its gradient: the entropy-gradient condition inverted (kept only when entropy_coef == 0)"""
 
     expected = ("grad_mismatch", None)
 
@@ -76,7 +76,7 @@ class EntropyGradInverted(Mutant):
 
 
 class CallerDecidesGrad(Mutant):
-    """class 5: whether the entropy keeps its gradient is decided by one caller (the policy loss
+    """the gradient decision at one call site: whether the entropy keeps its gradient is decided by one caller (the policy loss
     passes need_entropy_grad=True); every other caller gets the default, no gradient"""
 
     expected = ("grad_mismatch", None)
@@ -90,7 +90,7 @@ class CallerDecidesGrad(Mutant):
 
 
 class ChunkOffByOne(Mutant):
-    """class 6: chunked computation reads each later chunk's tokens one row early"""
+    """chunk off-by-one: chunked computation reads each later chunk's tokens one row early"""
 
     expected = ("value_mismatch", None)
 
@@ -100,7 +100,7 @@ class ChunkOffByOne(Mutant):
 
 
 class SampleBoundaryOffByOne(Mutant):
-    """class 6: packed (thd/bshd) extraction one row late at every sample boundary"""
+    """sample-boundary off-by-one: packed (thd/bshd) extraction one row late at every sample boundary"""
 
     expected = ("value_mismatch", None)
 
@@ -147,7 +147,7 @@ class BackwardSkipZeroGrad(Mutant):
 
 
 class UnpaddedChunkStart(Mutant):
-    """class 6, length-dependent: in the path for samples that need no zigzag padding (total a
+    """a length-dependent off-by-one: in the path for samples that need no zigzag padding (total a
     multiple of 2 * cp) and have chunks of 3 rows or more, zigzag extraction drops the response's
     first token when the response starts exactly on the first row of a CP chunk other than the
     first (a '>' where '>=' belongs); no smoke scenario has such a sample, and random lengths of

@@ -180,7 +180,9 @@ class SlimeTarget:
         self.missing_args: set[str] = set()
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "version": (self.commit or "unknown")[:12], "commit": self.commit,
+        # a checkout without git history is named by its path, not as "unknown"
+        version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
+        return {"name": self.name, "version": version, "commit": self.commit,
                 "src": str(self.src), "era": self.era, "stubbed_modules": self.stubs,
                 "args_read_but_not_set": sorted(self.missing_args)}
 

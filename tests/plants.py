@@ -299,3 +299,36 @@ class InplaceSameValues(BuiltinTarget):
     def compute(self, inputs: RankInputs) -> RankOutputs:
         inputs.logits.mul_(1.0)
         return super().compute(inputs)
+
+
+class RaiseEverywhere(BuiltinTarget):
+    """builtin, which raises the same error at the same place on every rank"""
+
+    name = "plants:RaiseEverywhere"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        raise ValueError("planted failure on every rank")
+
+
+class CorruptValueThenRaiseInBackward(CorruptValue):
+    """CorruptValue (a wrong log-prob, found in the forward), whose backward then raises"""
+
+    name = "plants:CorruptValueThenRaiseInBackward"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("planted failure in backward")
+
+        out = super().compute(inputs)
+        out.log_probs = [_OnBackward.apply(lp, hook) for lp in out.log_probs]
+        return out
+
+
+class PrintsALine(BuiltinTarget):
+    """builtin, which prints the same line on every rank and scenario (as import-time warnings do)"""
+
+    name = "plants:PrintsALine"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        print("planted: a line every rank prints", flush=True)
+        return super().compute(inputs)

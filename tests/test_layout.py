@@ -1,4 +1,5 @@
-"""Layouts are pure arithmetic: checked here without processes, against CONTEXT.md's definitions."""
+"""Layouts are pure arithmetic: checked here without processes, against the definitions in
+shardcheck.harness.layout's docstring (zigzag chunks, all-gather pieces, TP columns)."""
 
 from collections import Counter
 

@@ -15,6 +15,7 @@ from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 MAX_FAILURES_SHOWN = 8
+MAX_OUTPUT_SHOWN = 12  # distinct lines the ranks printed, shown under the table
 
 
 def _counts(verdicts: list[Verdict]) -> dict[str, int]:
@@ -121,6 +122,12 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
             lines.append(render_failure(v))
     c = _counts(verdicts)
     start = info.get("startup_seconds") or []
+    printed = info.get("rank_output") or []
+    if printed:
+        lines += ["", f"the ranks printed (each distinct line once, {len(printed)} in all):"]
+        lines += [f"  [ranks {rank_list(o['ranks'])}] {clip(o['line'], 150)}" for o in printed[:MAX_OUTPUT_SHOWN]]
+        if len(printed) > MAX_OUTPUT_SHOWN:
+            lines.append(f"  ... {len(printed) - MAX_OUTPUT_SHOWN} more in the JSON report")
     lines.append("")
     lines.append(_target_line(info.get("target") or {}))
     lines.append(
@@ -146,17 +153,21 @@ def render_failure(v: Verdict) -> str:
 
 
 def _target_line(target: dict[str, Any]) -> str:
+    """``target: NAME VERSION (key: value; ...)``: whatever the target's describe() says."""
     line = f"target: {target.get('name', '?')} {target.get('version', '')}".rstrip()
-    era = target.get("era")
-    if era:
-        line += (f" (era: returns {era.get('returns')}, allgather_cp {'yes' if era.get('allgather_cp') else 'no'}, "
-                 f"qkv_format/bshd {'yes' if era.get('qkv_format') else 'no'}, top-p replay "
-                 f"{'yes' if era.get('top_p_replay') else 'no'}, entropy-grad flag {era.get('entropy_grad_flag')})")
-    if target.get("stubbed_modules"):
-        line += f"; stubbed (missing, unused here): {', '.join(target['stubbed_modules'])}"
-    if target.get("args_read_but_not_set"):
-        line += f"; args read but not set: {', '.join(target['args_read_but_not_set'])}"
-    return line
+    rest = [f"{k.replace('_', ' ')}: {_plain(v)}" for k, v in target.items()
+            if k not in ("name", "version") and v not in (None, "", [], {}, ())]
+    return line + (f" ({'; '.join(rest)})" if rest else "")
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k.replace('_', ' ')} {_plain(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(_plain(v) for v in value)
+    return str(value)
 
 
 class SilentReport:

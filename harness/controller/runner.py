@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardcheck.harness.backend import choose_backend
-from shardcheck.harness.controller.verdict import FAIL, INPUT_MUTATED, SKIP, Verdict, merge
+from shardcheck.harness.controller.verdict import COLLECTIVE_MISMATCH, FAIL, INPUT_MUTATED, SKIP, Verdict, merge
 from shardcheck.harness.controller.world import World
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
@@ -35,14 +35,22 @@ def _unexplained_mutation(verdict: Verdict) -> bool:
     return any(f.kind == INPUT_MUTATED and "site" not in f.details for f in verdict.failures)
 
 
+def _unexplained_backward_call(verdict: Verdict) -> bool:
+    return any(f.kind == COLLECTIVE_MISMATCH and f.phase == "backward" and "(its forward at" not in f.message
+               for f in verdict.failures)
+
+
+_EXPLAINED = (INPUT_MUTATED, COLLECTIVE_MISMATCH)
+
+
 def _explained(first: Verdict, again: Verdict) -> Verdict:
-    """The second run's verdict when it saw the change again (now with its call site); else the
-    first, saying that the write did not repeat."""
-    if any(f.kind == INPUT_MUTATED for f in again.failures):
+    """The second run's verdict when it found those kinds again (now with their call sites);
+    else the first, saying that they did not happen again."""
+    if set(again.kinds) >= {k for k in first.kinds if k in _EXPLAINED}:
         return again
     for f in first.failures:
-        if f.kind == INPUT_MUTATED:
-            f.message += "; the write did not happen again when the scenario was run to find its call site"
+        if f.kind in _EXPLAINED:
+            f.message += "; this did not happen again when the scenario was run to find its call site"
     first.seconds = again.seconds
     return first
 
@@ -107,9 +115,10 @@ def run(
             started = time.perf_counter()
             results = world.run(sc.to_dict(), target_spec, trace=trace, inplace=inplace)
             verdict = merge(sc, results, time.perf_counter() - started)
-            if _unexplained_mutation(verdict):
-                # the call site of the write is found by a watch on every op, too dear to keep on:
-                # run the scenario again with it (every rank decides the same, from the verdict)
+            if _unexplained_mutation(verdict) or _unexplained_backward_call(verdict):
+                # the call site of an in-place write, and where a backward collective's autograd
+                # node was made, are found by watches too dear to keep on: run the scenario again
+                # with them (every rank decides the same, from the verdict)
                 again = world.run(sc.to_dict(), target_spec, trace=trace, inplace=True, explain=True)
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
@@ -119,6 +128,8 @@ def run(
     finally:
         if world is not None:
             info["startup_seconds"] = [round(s, 3) for s in world.startup_seconds]
+            if hasattr(world, "rank_output"):
+                info["rank_output"] = [{"line": line, "ranks": ranks} for line, ranks in world.rank_output()]
         if own_world:
             world.close()
         info["wall_seconds"] = round(time.perf_counter() - t0, 3)

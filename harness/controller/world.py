@@ -45,6 +45,8 @@ class World:
         self._dir: tempfile.TemporaryDirectory | None = None
         self._healthy = False
         self._seq = 0
+        self._output: dict[str, set[int]] = {}
+        self._output_read: dict[tuple[int, int], int] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> World:
@@ -78,6 +80,7 @@ class World:
                 "collective_timeout": self.timeout,
                 "start_timeout": self.start_timeout,
                 "traceback_file": self._traceback_file(rank),
+                "output_file": self._output_file(rank),
                 "lockstep": self.lockstep,
                 "backend": self.backend,
             }
@@ -139,6 +142,7 @@ class World:
         self._procs, self._conns = [], []
         self._store = None  # the last reference: the server socket closes
         if self._dir is not None:
+            self._collect_output()
             self._dir.cleanup()
             self._dir = None
         self._healthy = False
@@ -250,6 +254,30 @@ class World:
                 continue
             out[r] = _innermost_frame(text)
         return out
+
+    def rank_output(self) -> list[tuple[str, list[int]]]:
+        """What the ranks printed (import-time warnings, a target's prints), each distinct line
+        once with the ranks that printed it, in the order first seen; kept across restarts."""
+        self._collect_output()
+        return [(line, sorted(ranks)) for line, ranks in self._output.items()]
+
+    def _collect_output(self) -> None:
+        for rank in range(self.nproc if self._dir is not None else 0):
+            try:
+                with open(self._output_file(rank), errors="replace") as f:
+                    f.seek(self._output_read.get((self.generation, rank), 0))
+                    text = f.read()
+                    self._output_read[(self.generation, rank)] = f.tell()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.strip():
+                    self._output.setdefault(line.rstrip(), set()).add(rank)
+
+    def _output_file(self, rank: int) -> str:
+        # a rank's stdout and stderr: kept out of the terminal, where they would land between
+        # the progress lines (see rank_output)
+        return os.path.join(self._dir.name, f"output-{rank}.txt")
 
     def _traceback_file(self, rank: int) -> str:
         assert self._dir is not None

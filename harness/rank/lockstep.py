@@ -122,7 +122,10 @@ class Lockstep:
         try:
             self.store.wait(list(agree.values()), self.slice)
         except dist.DistStoreError:
-            self._slow_path(call, json.dumps(call.fingerprint(), sort_keys=True), agree, t_call)
+            # published in full for the report: the fingerprint, and where a backward call's
+            # autograd node was made (not agreed on: it is known only when explaining)
+            shown = call.fingerprint() | {"created_at": call.created_at}
+            self._slow_path(call, json.dumps(shown, sort_keys=True), agree, t_call)
         self.matched[call.group].append(call)
 
     def _slow_path(self, call: Call, mine: str, agree: dict[int, str], t_call: float) -> None:

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal before anything else
+    from shardcheck.harness.wire import RankResult
 
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
     """Process entry point (spawned by the controller)."""
     _die_with_parent()
+    if options.get("output_file"):  # the controller shows each distinct line once, not as it comes
+        fd = os.open(options["output_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import faulthandler
     import signal
@@ -97,6 +105,12 @@ def _trace_payload(calls: Any, everything: bool, failed: bool) -> list[dict[str,
     return [c.to_dict() for c in chosen]
 
 
+def _add(found: list, errors: dict, checked: tuple[list, dict]) -> None:
+    failures, worst = checked
+    found += failures
+    errors.update(worst)
+
+
 def _die_with_parent() -> None:
     """Ask Linux to kill this rank if the controller dies, so no rank outlives a killed run."""
     try:
@@ -126,7 +140,7 @@ class RankRunner:
 
     def run(self, scenario: dict[str, Any], target: str, seq: int, trace_calls: bool = False,
             inplace: bool = True, outputs: bool = False, reference: bool = True, explain: bool = False
-            ) -> dict[str, Any]:
+            ) -> RankResult:
         """One scenario on this rank. ``inplace``: check that the target leaves its inputs (and
         the gradients fed to its outputs) unchanged; ``explain``: also find the call site of the
         first in-place write (a dispatch mode on every op: run only to explain a change already
@@ -143,17 +157,19 @@ class RankRunner:
         if lockstep is not None:
             lockstep.begin(seq, scenario.get("name", "?"))
         trace.start(lockstep.check if lockstep is not None else None)
-        failures, errors, described, notes, produced = [], {}, {}, [], None
+        # what the scenario has found so far: kept when a later step (the backward) fails
+        found: list[Failure] = []
+        errors: dict[str, float] = {}
+        failures, described, notes, produced = found, {}, [], None
         raised = False
         try:
-            failures, errors, described, produced = self._run(scenario, target, inplace, outputs, reference,
-                                                                  explain)
+            described, produced = self._run(scenario, target, found, errors, inplace, outputs, reference, explain)
             if lockstep is not None:
                 lockstep.finish()
         except CollectiveMismatch as exc:
             report = dict(exc.report)
-            failures = [Failure(COLLECTIVE_MISMATCH, report.pop("message"), [self.rank], phase=report.pop("phase"),
-                                details={"at": time.time(), **report})]
+            failures = found + [Failure(COLLECTIVE_MISMATCH, report.pop("message"), [self.rank],
+                                        phase=report.pop("phase"), details={"at": time.time(), **report})]
             self._stop(f"stopped on a collective mismatch in {report.get('label') or 'group'} "
                        f"{report['group_ranks']} call {report['call']}")
         except PeerStopped as exc:
@@ -169,8 +185,9 @@ class RankRunner:
             # i.e. the call site in the target
             err = wire.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
             what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
-            msg = f"rank {self.rank} hung: {exc}" if isinstance(exc, LockstepTimeout) else f"rank {self.rank} {what}"
-            failures = [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
+            # a raise names no rank: the same cause on several ranks is one failure listing them
+            msg = f"rank {self.rank} hung: {exc}" if isinstance(exc, LockstepTimeout) else what
+            failures = found + [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
             self._stop(what)
         finally:
             calls = trace.stop()
@@ -198,8 +215,12 @@ class RankRunner:
             except Exception:  # noqa: BLE001  (the store is gone: peers will time out, bounded)
                 pass
 
-    def _run(self, scenario_dict: dict[str, Any], spec: str, inplace: bool, want_outputs: bool,
-             reference: bool, explain: bool) -> tuple[list, dict, dict, dict | None]:
+    def _run(self, scenario_dict: dict[str, Any], spec: str, found: list, errors: dict, inplace: bool,
+             want_outputs: bool, reference: bool, explain: bool) -> tuple[dict, dict | None]:
+        """The scenario's steps; findings go into ``found`` and ``errors`` as they are made, so a
+        step that raises (the backward) does not hide what the earlier ones found."""
+        import contextlib
+
         import torch
 
         from shardcheck.harness.rank import groups, shard
@@ -241,20 +262,20 @@ class RankRunner:
             policy=shard.policy_batch(data, layout) if form == "policy" else None,
         )
         guard = guard_inputs(self.rank, layout, data, inputs, leaf) if inplace else InputGuard(self.rank)
-        with guard.writes_watch(explain):
+        # explaining: anomaly mode makes torch record each autograd node's forward stack, so a
+        # collective issued in the backward names where its node was made (see trace)
+        anomaly = torch.autograd.detect_anomaly(check_nan=False) if explain else contextlib.nullcontext()
+        with guard.writes_watch(explain), anomaly:
             outputs = target.compute(inputs)
-        failures = guard.check("forward")
+        found += guard.check("forward")
         entropy = outputs.entropy if sc.with_entropy else None
         # the reference runs where the rank computes: on its GPU under nccl, in row chunks
         ref_device = self.device if getattr(self.device, "type", "cpu") == "cuda" else None
-        errors: dict[str, float] = {}
-        if reference:
-            found, errors = compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device)
-            failures += found
+        if reference:  # the values are compared before the backward runs
+            _add(found, errors, compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device))
         if form == "policy":
             if reference:
-                loss_failures, loss_errors = compare_loss(layout, data, outputs.loss, self.rank, ref_device)
-                failures, errors = failures + loss_failures, errors | loss_errors
+                _add(found, errors, compare_loss(layout, data, outputs.loss, self.rank, ref_device))
             # a malformed loss is reported above; the rank has nothing to differentiate, and its
             # peers' backward collectives then show the asymmetry
             fed = policy_gradients(outputs.loss)
@@ -267,9 +288,9 @@ class RankRunner:
         if fed:
             with guard.writes_watch(explain):
                 torch.autograd.backward([f.output for f in fed], [f.grad for f in fed])
-        failures += guard.check("backward")
+        found += guard.check("backward")
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        grad_failures, grad_errors = (compare_grad(layout, data, grad, self.rank, ref_device) if reference
-                                      else ([], {}))
+        if reference:
+            _add(found, errors, compare_grad(layout, data, grad, self.rank, ref_device))
         produced = rank_outputs(layout, outputs.log_probs, entropy, grad) if want_outputs else None
-        return failures + grad_failures, errors | grad_errors, target.describe(), produced
+        return target.describe(), produced

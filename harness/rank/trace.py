@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import sysconfig
 import threading
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardcheck.harness.wire import short_path
 
 # op -> (index of the argument whose shapes must agree across ranks, or None; root argument index)
 _OPS: dict[str, tuple[int | None, int | None]] = {
@@ -92,6 +95,9 @@ class Call:
     # that frame and its callers (outside torch and the harness): two calls of the same shape
     # through one helper differ here, so a skipped call cannot silently pair with the next one
     stack: list[str] = field(default_factory=list)
+    # in backward: where the autograd node that issued it was made in the forward (recorded when
+    # the forward ran under anomaly mode: a scenario run again to explain a finding)
+    created_at: str | None = None
 
     def fingerprint(self) -> dict[str, Any]:
         """What every member of the group must agree on."""
@@ -107,7 +113,8 @@ class Call:
         parts = [f"{self.op}(", f"{self.reduce_op}, " if self.reduce_op else "",
                  f"root={self.root}, " if self.root is not None else "", f"{self.dtype}[{shape}])"]
         via = " <- ".join(self.stack[1:STACK_SHOWN])
-        return "".join(parts) + f" in {self.phase} at {self.site}" + (f" <- {via}" if via else "")
+        made = f" (its forward at {self.created_at})" if self.created_at else ""
+        return "".join(parts) + f" in {self.phase} at {self.site}" + (f" <- {via}" if via else "") + made
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,7 +221,8 @@ def _record(name: str, args: tuple, trace: Trace) -> Call | None:
     all_tensors = _tensors(args)
     red = next((a for a in args if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type())), None)
     stack = call_stack()
-    phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+    node = torch._C._current_autograd_node()
+    phase = "backward" if node is not None else "forward"
     call = Call(
         op=_PUBLIC_NAMES[name],
         group=group,
@@ -225,11 +233,29 @@ def _record(name: str, args: tuple, trace: Trace) -> Call | None:
         reduce_op=_reduce_name(red) if red is not None else None,
         root=args[root_arg] if root_arg is not None and isinstance(args[root_arg], int) else None,
         phase=phase,
-        site=stack[0] if stack else ("(autograd engine)" if phase == "backward" else "(no Python caller)"),
+        site=stack[0] if stack else (f"(backward of {node.name()})" if node is not None else "(no Python caller)"),
         stack=stack,
+        created_at=_forward_site(node) if node is not None else None,
     )
     trace.calls.append(call)
     return call
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _forward_site(node: Any) -> str | None:
+    """The first frame outside torch and the harness of the forward stack torch recorded for an
+    autograd node (anomaly mode records it as ``metadata["traceback_"]``), innermost first."""
+    try:
+        frames = node.metadata.get("traceback_") or []
+    except (AttributeError, RuntimeError):
+        return None
+    for text in reversed(frames):
+        m = _FRAME.search(text)
+        if m and not (m.group(1).startswith(_SKIPPED) or m.group(1).startswith("<")):
+            return f"{short_path(m.group(1))}:{m.group(2)}"
+    return None
 
 
 def _reduce_name(red: Any) -> str:
@@ -266,15 +292,6 @@ def call_stack(depth: int = STACK_DEPTH, frame: Any = None) -> list[str]:
     while frame is not None and len(out) < depth:
         path = frame.f_code.co_filename
         if not (path.startswith(_SKIPPED) or path.startswith("<")):
-            out.append(f"{_short(path)}:{frame.f_lineno}")
+            out.append(f"{short_path(path)}:{frame.f_lineno}")
         frame = frame.f_back
     return out
-
-
-def _short(path: str) -> str:
-    # site-packages/x/y.py -> x/y.py; keep enough to find the file, not the whole prefix
-    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd):] if path.startswith(cwd) else path
