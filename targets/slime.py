@@ -123,15 +123,29 @@ class _Stub(types.ModuleType):
         return self
 
 
-def import_slime(src: Path) -> tuple[types.ModuleType, list[str]]:
-    """Import slime's loss module from ``src``; stub missing modules it does not need here."""
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+def import_slime(src: Path, undo: list | None = None) -> tuple[types.ModuleType, list[str]]:
+    """Import slime's loss module from ``src``; stub missing modules it does not need here.
+
+    Everything this sets process-wide is put back by the callables appended to ``undo`` (run
+    in reverse order): the environment, torch's dynamo switch, sys.path, and the modules added.
+    """
+    undo = [] if undo is None else undo
+    before = set(sys.modules)
+    undo.append(lambda: [sys.modules.pop(m) for m in set(sys.modules) - before
+                         if m == "slime" or m.startswith("slime.") or m in STUBBABLE])
+    if "TORCHDYNAMO_DISABLE" not in os.environ:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        undo.append(lambda: os.environ.pop("TORCHDYNAMO_DISABLE", None))
     import torch._dynamo
 
+    was_disabled, wrote_bytecode = torch._dynamo.config.disable, sys.dont_write_bytecode
+    undo.append(lambda: setattr(torch._dynamo.config, "disable", was_disabled))
+    undo.append(lambda: setattr(sys, "dont_write_bytecode", wrote_bytecode))
     torch._dynamo.config.disable = True
     sys.dont_write_bytecode = True  # never write into the user's checkout
     if str(src) not in sys.path:
         sys.path.insert(0, str(src))
+        undo.append(lambda: sys.path.remove(str(src)) if str(src) in sys.path else None)
     stubs: list[str] = []
     for _ in range(len(STUBBABLE) + 1):
         try:
@@ -176,8 +190,16 @@ class SlimeTarget:
                      ("dtype", "slime asserts float32 logits")),
         )
         self._fn: Any = None
+        self._undo: list[Any] = []
         self.stubs: list[str] = []
         self.missing_args: set[str] = set()
+
+    def release(self) -> None:
+        """Undo what importing slime set in this process (the rank moves to another target)."""
+        while self._undo:
+            self._undo.pop()()
+        self._fn = None
+        self.__dict__.pop("_policy_fns", None)  # slime:policy_loss's functions, imported with it
 
     def describe(self) -> dict[str, Any]:
         # a checkout without git history is named by its path, not as "unknown"
@@ -188,7 +210,7 @@ class SlimeTarget:
 
     def _function(self) -> Any:
         if self._fn is None:
-            module, self.stubs = import_slime(self.src)
+            module, self.stubs = import_slime(self.src, self._undo)
             self._fn = module.get_log_probs_and_entropy
             self._params = set(inspect.signature(self._fn).parameters)
         return self._fn
@@ -257,7 +279,7 @@ class SlimePolicyLossTarget(SlimeTarget):
 
     def _policy(self) -> tuple[Any, Any, Recorder]:
         if getattr(self, "_policy_fns", None) is None:
-            module, self.stubs = import_slime(self.src)
+            module, self.stubs = import_slime(self.src, self._undo)
             recorder = module.get_log_probs_and_entropy
             if not isinstance(recorder, Recorder):
                 recorder = Recorder(recorder)

@@ -332,3 +332,15 @@ class PrintsALine(BuiltinTarget):
     def compute(self, inputs: RankInputs) -> RankOutputs:
         print("planted: a line every rank prints", flush=True)
         return super().compute(inputs)
+
+
+RELEASED: list[str] = []  # names of the Releasable targets released in this process
+
+
+class Releasable(BuiltinTarget):
+    """builtin, with a process-wide setting that release() undoes (as the slime adapter's)"""
+
+    name = "plants:Releasable"
+
+    def release(self) -> None:
+        RELEASED.append(self.name)

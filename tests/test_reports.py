@@ -142,3 +142,31 @@ def test_two_scenarios_with_one_name_each_get_their_own_verdict(world):
     result = runner.run([skipped, runnable], "megatron", reporter=SilentReport(), world=world)
     assert [v.status for v in result.verdicts] == ["skip", "pass"], [v.headline() for v in result.verdicts]
     assert "computes no entropy" in result.verdicts[0].reason
+
+
+def test_moving_to_another_target_releases_the_previous_ones_process_settings():
+    import plants
+    from shardcheck.harness.rank.main import RankRunner
+
+    runner_ = RankRunner(rank=0, lockstep=None)
+    first = runner_.target("plants:Releasable")
+    assert runner_.target("plants:Releasable") is first and plants.RELEASED == []  # resolved once
+    runner_.target("builtin")
+    assert plants.RELEASED == ["plants:Releasable"]
+    assert runner_.target("plants:Releasable") is not first  # set up again when it comes back
+
+
+@pytest.mark.skipif(not os.environ.get("SHARDCHECK_SLIME_SRC"), reason="needs a slime checkout: set SHARDCHECK_SLIME_SRC")
+def test_the_slime_adapter_undoes_what_its_import_set():
+    import sys
+
+    from shardcheck.targets.slime import target
+
+    t = target()
+    env_before, path_before = os.environ.get("TORCHDYNAMO_DISABLE"), list(sys.path)
+    t._function()
+    assert "slime.backends.megatron_utils.loss" in sys.modules and str(t.src) in sys.path
+    t.release()
+    assert not [m for m in sys.modules if m == "slime" or m.startswith("slime.")]
+    assert str(t.src) not in sys.path and os.environ.get("TORCHDYNAMO_DISABLE") == env_before
+    assert [p for p in path_before if p not in sys.path] == []

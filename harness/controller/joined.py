@@ -92,6 +92,11 @@ class JoinedWorld:
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self._runner is not None:
+            try:
+                self._runner.close()
+            except Exception:  # noqa: BLE001  (best effort on the way out)
+                pass
         if self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""The rank side's one owner of process-group state.
+"""The rank side's one owner of process-group state (its module globals below; :func:`reset`).
 
 megatron-core's ``parallel_state`` holds the groups (as in the frameworks under test); this
 module is the only one that initialises, rebuilds or queries it. Everyone else asks here.
@@ -13,6 +13,18 @@ _timeout_s: float = 60.0
 # megatron's group globals per (tp, cp) already built in this world: switching back restores them
 # instead of creating the groups again (gloo groups are never freed; a long run would pile them up)
 _built: dict[tuple[int, int], dict[str, Any]] = {}
+
+
+def reset() -> None:
+    """Forget every layout built here (their groups die with the default group), so a world
+    joined later in this process starts clean."""
+    global _config
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    _built.clear()
+    _config = None
 
 
 def set_timeout(seconds: float) -> None:

@@ -130,13 +130,36 @@ class RankRunner:
         self.lockstep = lockstep
         self.device = device
         self._targets: dict[str, Any] = {}
+        self._current: str | None = None
 
     def target(self, spec: str) -> Any:
+        """The target for ``spec``, resolved once. Moving to another target first undoes what
+        the previous one set process-wide (``release()``: slime's stubs, its env and sys.path),
+        so the next target runs in the process it would have had alone."""
+        if self._current not in (None, spec):
+            previous = self._targets.get(self._current)
+            if previous is not None and hasattr(previous, "release"):
+                previous.release()
+                del self._targets[self._current]
+        self._current = spec
         if spec not in self._targets:
             from shardcheck.targets import resolve
 
             self._targets[spec] = resolve(spec)
         return self._targets[spec]
+
+    def close(self) -> None:
+        """Leave the process as it was before the first scenario: targets released, the trace's
+        and the groups' state reset (a joined world may be followed by another)."""
+        from shardcheck.harness.rank import groups, trace
+
+        for t in self._targets.values():
+            if hasattr(t, "release"):
+                t.release()
+        self._targets.clear()
+        self._current = None
+        trace.reset()
+        groups.reset()
 
     def run(self, scenario: dict[str, Any], target: str, seq: int, trace_calls: bool = False,
             inplace: bool = True, outputs: bool = False, reference: bool = True, explain: bool = False

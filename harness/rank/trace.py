@@ -134,6 +134,7 @@ class Trace:
     checker: Checker | None = None
 
 
+# The process-wide state of the trace (reset by :func:`reset`):
 _lock = threading.Lock()
 _active: Trace | None = None  # one scenario at a time per rank; calls from any thread land here
 _library: Any = None
@@ -158,6 +159,16 @@ def install() -> None:
             if hasattr(torch.ops.c10d, name):
                 lib.impl(name, _kernel(name), "BackendSelect")
         _library = lib
+
+
+def reset() -> None:
+    """Forget the process's trace state (a world left, another may be joined). The kernels stay
+    registered: a ``torch.library`` registration lives as long as the process."""
+    global _active
+    with _lock:
+        _active = None
+        _group_ranks.clear()
+        _backend.failed = False
 
 
 def start(checker: Checker | None = None) -> Trace:
