@@ -75,7 +75,7 @@ def test_a_rank_that_raises_is_named_with_where_its_peers_wait(world):
     sc = Scenario("ag", (Sample(11, 4), Sample(19, 9)), vocab=16, cp=2, layout="allgather", seed=3)
     starts = len(world.startup_seconds)
     result = _run(world, "plants:RaiseOnCpRank1", [sc])
-    assert result.info["target"].get("seen_on_a_rank"), "a failed run still reports the ranks' description"
+    assert result.info.target.get("seen_on_a_rank"), "a failed run still reports the ranks' description"
     [v] = result.verdicts
     f = v.failures[0]
     assert f.kind == "rank_error"

@@ -11,7 +11,7 @@ from shardcheck.cli import bisect_state, main
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.bisect import Step
 from shardcheck.harness.controller.report import JsonReport, SilentReport, _target_line, render_table
-from shardcheck.harness.controller.verdict import Failure, Verdict
+from shardcheck.harness.controller.verdict import Failure, RunInfo, Verdict
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios import regressions as regressions_module
 from shardcheck.targets import available
@@ -32,7 +32,7 @@ def test_the_json_report_is_in_suite_order_while_it_is_rewritten(tmp_path):
     a, b = Scenario("a", (Sample(5, 2),), vocab=4), Scenario("b", (Sample(5, 2),), vocab=4, tp=2)
     path = tmp_path / "r.json"
     report = JsonReport(str(path))
-    report.start({}, [a, b])
+    report.start(RunInfo({"name": "t"}, "t", 2, "gloo", "test", True), [a, b])
     report.add(Verdict(b, "pass"))
     report.add(Verdict(a, "pass"))  # ran second (grouped by tp), listed first
     assert [s["name"] for s in json.loads(path.read_text())["scenarios"]] == ["a", "b"]
@@ -118,7 +118,7 @@ def test_a_backward_collective_names_where_its_autograd_node_was_made(world):
 def test_what_the_ranks_print_is_shown_once_under_the_table(world):
     result, v = _one(world, "plants:PrintsALine")
     assert v.status == "pass"
-    lines = [o for o in result.info["rank_output"] if "planted: a line every rank prints" in o["line"]]
+    lines = [o for o in result.info.rank_output if "planted: a line every rank prints" in o["line"]]
     assert len(lines) == 1 and lines[0]["ranks"] == [0, 1, 2, 3]
     table = render_table(result.verdicts, result.info)
     assert table.count("planted: a line every rank prints") == 1
@@ -170,3 +170,12 @@ def test_the_slime_adapter_undoes_what_its_import_set():
     assert not [m for m in sys.modules if m == "slime" or m.startswith("slime.")]
     assert str(t.src) not in sys.path and os.environ.get("TORCHDYNAMO_DISABLE") == env_before
     assert [p for p in path_before if p not in sys.path] == []
+
+
+def test_the_controller_resolves_a_target_once_per_setting(monkeypatch):
+    from shardcheck.harness.controller.runner import controller_target
+
+    first = controller_target("builtin:packing_dependent")
+    assert controller_target("builtin:packing_dependent") is first
+    monkeypatch.setenv("SHARDCHECK_SLIME_COMMIT", "0" * 40)  # a setting that may change what a spec names
+    assert controller_target("builtin:packing_dependent") is not first

@@ -224,7 +224,7 @@ def fuzz(
     scenarios run while shrinking; past it, the smallest failure so far is the answer.
     ``on_start`` sees the plan (seed, world size, pairs, layouts) before the world starts.
     """
-    from shardcheck.targets import resolve
+    from shardcheck.harness.controller.runner import controller_target
 
     if max_examples < 1:
         raise BadInput(f"--max-examples must be >= 1, got {max_examples}")
@@ -240,7 +240,7 @@ def fuzz(
     unknown = [name for name in asked if name not in LAYOUTS]
     if unknown:
         raise BadInput(f"unknown layout(s) {', '.join(unknown)} (known: {', '.join(LAYOUTS)})")
-    caps = resolve(target_spec).capabilities
+    caps = controller_target(target_spec).capabilities
     usable = [name for name in asked if name in caps.layouts]
     if not usable:
         raise BadInput(f"target {target_spec!r} supports none of the layouts {asked}")

@@ -451,12 +451,11 @@ def check_invariance(
     ``on_base`` is called with the result so far after each base scenario (a report rewritten
     then keeps what was found if the run is stopped)."""
     from shardcheck.harness.backend import choose_backend
-    from shardcheck.harness.controller.runner import world_size_for
+    from shardcheck.harness.controller.runner import controller_target, world_size_for
     from shardcheck.harness.controller.world import World
-    from shardcheck.targets import resolve
 
     axes = check_axes(axes)
-    target = resolve(target_spec)
+    target = controller_target(target_spec)
     contract = declared_contract(target) | (expect or {})
     size = world.nproc if world is not None else nproc or max(4, world_size_for(scenarios))
     own_world = world is None

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, Verdict
+from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 MAX_FAILURES_SHOWN = 8
@@ -35,8 +35,8 @@ class JsonReport:
         }
         self._write()  # fail early (unwritable path) and leave a file even if nothing finishes
 
-    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
-        self.doc.update(info)
+    def start(self, info: RunInfo, scenarios: list[Scenario]) -> None:
+        self.doc.update(info.to_dict())
         self.doc["planned"] = len(scenarios)
         self.order = suite_order(scenarios)
         self._write()
@@ -45,8 +45,8 @@ class JsonReport:
         self.verdicts.append(verdict)
         self._write()
 
-    def finish(self, info: dict[str, Any]) -> None:
-        self.doc.update(info)
+    def finish(self, info: RunInfo) -> None:
+        self.doc.update(info.to_dict())
         self.doc["complete"] = len(self.verdicts) == self.doc.get("planned", len(self.verdicts))
         self._write()
 
@@ -74,14 +74,14 @@ class TerminalReport:
         self.order: dict[int, int] = {}
         self.t0 = time.perf_counter()
 
-    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
+    def start(self, info: RunInfo, scenarios: list[Scenario]) -> None:
         self.total, self.t0 = len(scenarios), time.perf_counter()
         self.order = suite_order(scenarios)
         total = self.total
-        t = info.get("target", {})
+        t = info.target
         if not self.quiet:
             print(f"shardcheck: target {t.get('name', '?')} {t.get('version', '')}".rstrip()
-                  + f", {total} scenarios, {info.get('ranks')} ranks ({info.get('backend')})", file=self.err)
+                  + f", {total} scenarios, {info.ranks} ranks ({info.backend})", file=self.err)
 
     def add(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)
@@ -92,7 +92,7 @@ class TerminalReport:
                 f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {verdict.scenario.name}")
         show_progress(self.err, line, self.live)
 
-    def finish(self, info: dict[str, Any]) -> None:
+    def finish(self, info: RunInfo) -> None:
         if self.live and not self.quiet:
             print(file=self.err)
         in_suite_order = sorted(self.verdicts, key=lambda v: self.order.get(id(v.scenario), 0))
@@ -107,7 +107,7 @@ def suite_order(scenarios: list[Scenario]) -> dict[int, int]:
     return {id(sc): i for i, sc in enumerate(scenarios)}
 
 
-def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
+def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
     rows = [("scenario", "layout", "tp", "cp", "verdict", "time", "detail")]
     for v in verdicts:
         sc = v.scenario
@@ -121,20 +121,20 @@ def render_table(verdicts: list[Verdict], info: dict[str, Any]) -> str:
             lines.append("")
             lines.append(render_failure(v))
     c = _counts(verdicts)
-    start = info.get("startup_seconds") or []
-    printed = info.get("rank_output") or []
+    start = info.startup_seconds
+    printed = info.rank_output
     if printed:
         lines += ["", f"the ranks printed (each distinct line once, {len(printed)} in all):"]
         lines += [f"  [ranks {rank_list(o['ranks'])}] {clip(o['line'], 150)}" for o in printed[:MAX_OUTPUT_SHOWN]]
         if len(printed) > MAX_OUTPUT_SHOWN:
             lines.append(f"  ... {len(printed) - MAX_OUTPUT_SHOWN} more in the JSON report")
     lines.append("")
-    lines.append(_target_line(info.get("target") or {}))
+    lines.append(_target_line(info.target))
     lines.append(
         f"{c['total']} scenarios: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped "
-        f"in {info.get('wall_seconds', 0):.1f}s"
+        f"in {info.wall_seconds:.1f}s"
         + (f" (world start-up {sum(start):.1f}s, {len(start)} start{'s' if len(start) != 1 else ''}, "
-           f"{info.get('ranks')} ranks)" if start else "")
+           f"{info.ranks} ranks)" if start else "")
     )
     return "\n".join(lines)
 
@@ -173,13 +173,13 @@ def _plain(value: Any) -> str:
 class SilentReport:
     """A reporter that shows nothing: for callers that read the verdicts themselves."""
 
-    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
+    def start(self, info: RunInfo, scenarios: list[Scenario]) -> None:
         pass
 
     def add(self, verdict: Verdict) -> None:
         pass
 
-    def finish(self, info: dict[str, Any]) -> None:
+    def finish(self, info: RunInfo) -> None:
         pass
 
 
@@ -222,7 +222,7 @@ class Reporters:
     def __init__(self, *reporters: Any) -> None:
         self.reporters = [r for r in reporters if r is not None]
 
-    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None:
+    def start(self, info: RunInfo, scenarios: list[Scenario]) -> None:
         for r in self.reporters:
             r.start(info, scenarios)
 
@@ -230,6 +230,6 @@ class Reporters:
         for r in self.reporters:
             r.add(verdict)
 
-    def finish(self, info: dict[str, Any]) -> None:
+    def finish(self, info: RunInfo) -> None:
         for r in self.reporters:
             r.finish(info)

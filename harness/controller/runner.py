@@ -3,32 +3,56 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardcheck.harness.backend import choose_backend
-from shardcheck.harness.controller.verdict import COLLECTIVE_MISMATCH, FAIL, INPUT_MUTATED, SKIP, Verdict, merge
+from shardcheck.harness.controller.verdict import (
+    COLLECTIVE_MISMATCH,
+    FAIL,
+    INPUT_MUTATED,
+    SKIP,
+    RunInfo,
+    Verdict,
+    merge,
+)
 from shardcheck.harness.controller.world import World
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
 
 
 class Reporter(Protocol):
-    def start(self, info: dict[str, Any], scenarios: list[Scenario]) -> None: ...
+    def start(self, info: RunInfo, scenarios: list[Scenario]) -> None: ...
     def add(self, verdict: Verdict) -> None: ...
-    def finish(self, info: dict[str, Any]) -> None: ...
+    def finish(self, info: RunInfo) -> None: ...
 
 
 @dataclass
 class RunResult:
     verdicts: list[Verdict]
-    info: dict[str, Any] = field(default_factory=dict)
+    info: RunInfo
 
     @property
     def exit_code(self) -> int:
         return 1 if any(v.status == FAIL for v in self.verdicts) else 0
+
+
+_RESOLVED: dict[tuple, Target] = {}
+
+
+def controller_target(spec: str) -> Target:
+    """The target as the controller needs it (capabilities, contract, a description until the
+    ranks give theirs), resolved once per spec and setting: a ``SHARDCHECK_*`` variable (the
+    slime checkout, its commit) changes what a spec names, so it is part of the key. For slime
+    resolving is a ``git rev-parse`` and a parse of its source: a fuzz search or a pytest
+    session must not pay it per scenario."""
+    key = (spec, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SHARDCHECK_"))))
+    if key not in _RESOLVED:
+        _RESOLVED[key] = resolve(spec)
+    return _RESOLVED[key]
 
 
 def _unexplained_mutation(verdict: Verdict) -> bool:
@@ -81,7 +105,7 @@ def run(
     ``backend`` (gloo, nccl or auto) is that of the world started here (a given ``world`` has
     its own). ``inplace`` checks that the target leaves its inputs unchanged (``input_mutated``).
     """
-    target: Target = resolve(target_spec)
+    target = controller_target(target_spec)
     t0 = time.perf_counter()
     # A given world has its size already: scenarios it cannot hold are skipped, not run on it.
     given = world.nproc if world is not None else nproc
@@ -97,9 +121,8 @@ def run(
     backend_why = "the given world's"
     if world is None:
         backend, backend_why = choose_backend(backend, size)
-    info: dict[str, Any] = {"target": target.describe(), "target_spec": target_spec, "ranks": size,
-                            "backend": world.backend if world is not None else backend, "backend_why": backend_why,
-                            "lockstep": world.lockstep if world is not None else lockstep}
+    info = RunInfo(target.describe(), target_spec, size, world.backend if world is not None else backend,
+                   backend_why, world.lockstep if world is not None else lockstep)
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
     for _, v in verdicts:
@@ -122,17 +145,17 @@ def run(
                 again = world.run(sc.to_dict(), target_spec, trace=trace, inplace=True, explain=True)
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
-                info["target"] = results[0].target
+                info.target = results[0].target
             verdicts.append((i, verdict))
             reporter.add(verdict)
     finally:
         if world is not None:
-            info["startup_seconds"] = [round(s, 3) for s in world.startup_seconds]
+            info.startup_seconds = [round(s, 3) for s in world.startup_seconds]
             if hasattr(world, "rank_output"):
-                info["rank_output"] = [{"line": line, "ranks": ranks} for line, ranks in world.rank_output()]
+                info.rank_output = [{"line": line, "ranks": ranks} for line, ranks in world.rank_output()]
         if own_world:
             world.close()
-        info["wall_seconds"] = round(time.perf_counter() - t0, 3)
+        info.wall_seconds = round(time.perf_counter() - t0, 3)
         verdicts.sort(key=lambda p: p[0])  # suite order, whatever ran first
         reporter.finish(info)
     return RunResult([v for _, v in verdicts], info)

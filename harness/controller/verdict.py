@@ -64,6 +64,25 @@ class Verdict:
         }
 
 
+@dataclass
+class RunInfo:
+    """What a run says about itself, beside its verdicts: the target (as the ranks describe it
+    once they have run), the world, and the time it took. Reporters read it by attribute."""
+
+    target: dict[str, Any]
+    target_spec: str
+    ranks: int
+    backend: str
+    backend_why: str
+    lockstep: bool
+    startup_seconds: list[float] = _field(default_factory=list)  # one entry per world (re)start
+    wall_seconds: float = 0.0
+    rank_output: list[dict[str, Any]] = _field(default_factory=list)  # {"line", "ranks"}, each line once
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verdict:
     """One verdict from every rank's result; replicas' identical findings merge, ranks listed.
 
