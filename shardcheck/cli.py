@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from shardcheck.errors import BadInput, ShardcheckError
 from shardcheck.harness.backend import BACKENDS
@@ -164,22 +165,31 @@ def _select(args: argparse.Namespace) -> list:
     return scenarios
 
 
-def _run(args: argparse.Namespace) -> int:
-    from shardcheck.harness.controller import runner
-    from shardcheck.harness.controller.report import JsonReport, Reporters, TerminalReport
-
+def _check_world_options(args: argparse.Namespace) -> None:
     if args.nproc is not None and args.nproc < 1:
         raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
     if not args.timeout > 0:
         raise BadInput(f"--timeout must be > 0, got {args.timeout}")
+
+
+def _json_report(args: argparse.Namespace, kind: Any) -> Any:
+    """The command's JSON report (written at once: an unwritable path fails before any world)."""
+    if not args.json_report:
+        return None
+    try:
+        return kind(args.json_report, {"suite": args.suite or args.scenario_file or "smoke"})
+    except OSError as exc:
+        raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import JsonReport, Reporters, TerminalReport
+
+    _check_world_options(args)
     _use_slime_src(args)
     scenarios = _select(args)
-    json_report = None
-    if args.json_report:
-        try:
-            json_report = JsonReport(args.json_report, {"suite": args.suite or args.scenario_file or "smoke"})
-        except OSError as exc:
-            raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
+    json_report = _json_report(args, JsonReport)
     result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
                         nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
                         trace=args.trace, backend=args.backend)
@@ -190,20 +200,12 @@ def _invariance(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller.invariance import AXES, check_axes, check_invariance, parse_expect
     from shardcheck.harness.controller.invariance_report import InvarianceJson, InvarianceProgress, render
 
-    if args.nproc is not None and args.nproc < 1:
-        raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
-    if not args.timeout > 0:
-        raise BadInput(f"--timeout must be > 0, got {args.timeout}")
+    _check_world_options(args)
     axes = check_axes(args.axis) if args.axis else list(AXES)
     expect = parse_expect(args.expect)
     _use_slime_src(args)
     scenarios = _select(args)
-    report = None
-    if args.json_report:
-        try:
-            report = InvarianceJson(args.json_report, {"suite": args.suite or args.scenario_file or "smoke"})
-        except OSError as exc:
-            raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
+    report = _json_report(args, InvarianceJson)
     progress = InvarianceProgress(quiet=args.quiet)
     try:
         result = check_invariance(scenarios, args.target, axes=axes, expect=expect, nproc=args.nproc,

@@ -132,14 +132,6 @@ def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
     return got
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
-
-
 class _WriteWatch(TorchDispatchMode):
     """Records the first op that writes into a watched tensor's storage."""
 
@@ -161,7 +153,7 @@ class _WriteWatch(TorchDispatchMode):
         if written and self.storages:
             for pos, name in written:
                 value = args[pos] if pos < len(args) else kwargs.get(name)
-                for t in _tensors(value):
+                for t in trace.tensors_in(value):
                     if t.numel() and t.untyped_storage().data_ptr() in self.storages:
                         self._record(func, t)
         return func(*args, **kwargs)

@@ -228,8 +228,8 @@ def _record(name: str, args: tuple, trace: Trace) -> Call | None:
         number = trace.counters.get(group, 0)
         trace.counters[group] = number + 1
     shape_arg, root_arg = _OPS[name]
-    tensors = _tensors(args[shape_arg]) if shape_arg is not None else []
-    all_tensors = _tensors(args)
+    tensors = tensors_in(args[shape_arg]) if shape_arg is not None else []
+    all_tensors = tensors_in(args)
     red = next((a for a in args if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type())), None)
     stack = call_stack()
     node = torch._C._current_autograd_node()
@@ -276,11 +276,12 @@ def _reduce_name(red: Any) -> str:
         return str(red.op())
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """The tensors in an op argument (a tensor, or nested lists and tuples of them)."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
+        return [t for y in x for t in tensors_in(y)]
     return []
 
 
