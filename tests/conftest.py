@@ -1,10 +1,20 @@
+import io
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+# Reporters whose default streams are bound when their module is imported (TerminalReport, the
+# fuzz Progress): imported here, they hold the session's streams, not those of the first test's
+# capsys (closed after that test) that calls shardcheck.cli.main in this process.
+import shardcheck.harness.controller.fuzz_report  # noqa: F401
+import shardcheck.harness.controller.report  # noqa: F401
 
 TESTS = Path(__file__).parent
 
@@ -25,6 +35,67 @@ def write_scenarios(path: Path, scenarios: list) -> Path:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@dataclass
+class MainResult:
+    """What ``shardcheck.cli.main`` did in this process, shaped like a finished subprocess."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli_in_process(capsys, monkeypatch) -> Iterator[Callable[..., MainResult]]:
+    """``shardcheck ARGS`` as ``main([...])`` in this process, for input refused before any world
+    starts: no interpreter and torch import per case, and a world starting fails the test."""
+    from shardcheck.cli import main
+    from shardcheck.harness.controller.world import World
+
+    def no_world(self: Any) -> None:
+        pytest.fail("a world started: this input must be refused before any world starts", pytrace=False)
+
+    monkeypatch.setattr(World, "start", no_world)
+
+    def call(*args: str) -> MainResult:
+        capsys.readouterr()  # only what main prints
+        code = main(list(args))  # called here, so its prints see capsys' sys.stdout and sys.stderr
+        out, err = capsys.readouterr()
+        return MainResult(code, out, err)
+
+    # a process's environment dies with it; main may set SHARDCHECK_* (--slime-src) in this one
+    saved = {k: v for k, v in os.environ.items() if k.startswith("SHARDCHECK_")}
+    yield call
+    for k in [k for k in os.environ if k.startswith("SHARDCHECK_") and k not in saved]:
+        del os.environ[k]
+    os.environ.update(saved)
+
+
+@dataclass
+class InProcessRun:
+    """A run made in this process, with what ``shardcheck run`` would have printed and written."""
+
+    exit_code: int
+    stdout: str
+    report: dict
+
+
+def run_on_world(world: Any, scenarios: Sequence[Any], target: str, report: Path, suite: str,
+                 **options: Any) -> InProcessRun:
+    """What ``shardcheck run --target T --scenario-file F --json-report R`` checks, in this process:
+    the same reporters (terminal table, JSON report), no interpreter start. On ``world``, one
+    this session already started; with None, on a world of the run's own, as the CLI starts
+    (``options``: runner.run's timeout, lockstep, ...)."""
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import JsonReport, Reporters, TerminalReport
+
+    out = io.StringIO()
+    # the terminal report's default streams are bound at import: give it its own
+    terminal = TerminalReport(out=out, err=io.StringIO())
+    json_report = JsonReport(str(report), {"suite": suite})
+    result = runner.run(list(scenarios), target, reporter=Reporters(terminal, json_report), world=world, **options)
+    return InProcessRun(result.exit_code, out.getvalue(), json.loads(report.read_text()))
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,23 @@
-"""``shardcheck bisect`` on a throwaway git repository holding a fake slime (its log-prob function
-delegates to shardcheck's builtin), where one commit plants a bug and another cannot be imported."""
+"""``shardcheck bisect``: the search against tables of verdicts (no world); the command on a
+throwaway git repository holding a fake slime (its log-prob function delegates to shardcheck's
+builtin), where one commit plants a bug and another cannot be imported, with each commit's
+verdicts from a table; and that repository bisected once end to end, on real worlds."""
 
+import math
+import os
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from conftest import run_cli
-
-pytestmark = pytest.mark.world
+from shardcheck.errors import BadInput
+from shardcheck.harness.controller import bisect as bisect_module
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.bisect import COMMIT_ENV, SRC_ENV, Step, search, signature
+from shardcheck.harness.controller.verdict import FAIL, PASS, VALUE_MISMATCH, Failure, RunInfo, Verdict
+from shardcheck.scenarios import get_suite
 
 LOSS = '''
 import torch
@@ -67,37 +77,161 @@ def history(tmp_path):
     return repo, commits
 
 
-def test_bisect_names_the_commit_that_changed_the_verdict(history):
+SCENARIO = next(sc for sc in get_suite("smoke") if sc.name == "thd-tp1cp1-basic")
+BISECT = ["--suite", "smoke", "--scenario", SCENARIO.name]
+
+
+# -- the search, against tables of verdicts ---------------------------------------------------------
+
+def _verdicts(outcome: str) -> list[Verdict]:
+    """A commit's verdicts: G keeps old's, B is the changed one (a value mismatch)."""
+    if outcome == "G":
+        return [Verdict(SCENARIO, PASS)]
+    return [Verdict(SCENARIO, FAIL, [Failure(VALUE_MISMATCH, "log_probs sample 0 token 1: off by 0.5", [0])])]
+
+
+def _table(outcomes: str) -> tuple[list[str], Callable[[str], Step], list[str]]:
+    """Commits c0.. for outcomes such as "G?GB" (? cannot be imported), a check that answers
+    from it, and the commits the check was asked about, in order."""
+    commits = [f"c{i}" for i in range(len(outcomes))]
+    asked: list[str] = []
+
+    def check(commit: str) -> Step:
+        asked.append(commit)
+        outcome = outcomes[int(commit[1:])]
+        if outcome == "?":
+            return Step(commit, None, why_skipped="slime cannot be imported")
+        verdicts = _verdicts(outcome)
+        return Step(commit, signature(verdicts), verdicts)
+
+    return commits, check, asked
+
+
+@pytest.mark.parametrize("outcomes,first_changed,skipped", [
+    ("GB", 1, []),
+    ("G?GBB", 3, []),  # c0..c4 of the fake slime: the middle (c2) is importable, c1 never asked
+    ("G?GB", 3, ["c1"]),  # the middle (c1) cannot be imported: its neighbour c2 is asked instead
+    ("GG?B", 3, ["c2"]),
+    ("G??B", 3, ["c1", "c2"]),  # nothing importable between: the change lies in c1..c3, c3 named
+    ("GGGGGGGB", 7, []),
+    ("GBBBBBBB", 1, []),
+])
+def test_the_search_names_the_first_changed_commit(outcomes, first_changed, skipped):
+    commits, check, asked = _table(outcomes)
+    seen: list[str] = []
+    result = search(commits, check, progress=lambda step: seen.append(step.commit))
+    assert result.first_changed is not None and result.first_changed.commit == f"c{first_changed}"
+    assert [s.commit for s in result.steps if s.signature is None] == skipped
+    assert seen == asked == [s.commit for s in result.steps]  # each commit asked once, progress told
+    assert len(set(asked)) == len(asked)
+    assert (result.old.commit, result.new.commit) == (commits[0], commits[-1])
+
+
+@pytest.mark.parametrize("outcomes", ["G?G", "GGGG", "GBG"])
+def test_the_same_verdict_at_both_ends_is_nothing_to_find(outcomes):
+    commits, check, asked = _table(outcomes)
+    result = search(commits, check)
+    assert result.first_changed is None and asked == [commits[0], commits[-1]]
+
+
+@pytest.mark.parametrize("n", [3, 9, 16])
+def test_the_search_halves_the_range(n):
+    for change in range(1, n):
+        commits, check, asked = _table("G" * change + "B" * (n - change))
+        assert search(commits, check).first_changed.commit == f"c{change}"
+        assert len(asked) <= 2 + math.ceil(math.log2(n - 1)), (change, asked)
+
+
+@pytest.mark.parametrize("outcomes", ["?GB", "GB?"])
+def test_an_end_that_cannot_be_imported_is_bad_input(outcomes):
+    commits, check, _ = _table(outcomes)
+    with pytest.raises(BadInput, match="cannot be checked: slime cannot be imported"):
+        search(commits, check)
+
+
+# -- the command, with each commit's verdicts from a table ------------------------------------------
+
+FAKE = {"c1": "G", "c2": "?", "c3": "G", "c4": "B", "c5": "B"}  # what a world would say of each commit
+
+
+@pytest.fixture
+def fake_verdicts(history, monkeypatch) -> None:
+    """Each commit's run answered from FAKE, on the tree ``bisect`` exported (no world); a commit
+    that cannot be imported is refused as slime's target refuses it (BadInput, before any world)."""
     repo, commits = history
-    before = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True).stdout
-    proc = run_cli("bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c5"],
-                   "--suite", "smoke", "--scenario", "thd-tp1cp1-basic", timeout=600)
+    label = {full: name for name, full in commits.items()}
+
+    def run(scenarios, target, *, reporter, timeout, **kwargs):
+        commit, src = os.environ[COMMIT_ENV], Path(os.environ[SRC_ENV])
+        assert (src / "slime" / "backends" / "megatron_utils" / "loss.py").is_file()  # the exported tree
+        assert src != repo and not (src / ".git").exists()
+        outcome = FAKE[label[commit]]
+        if outcome == "?":
+            raise BadInput(f"slime at {src} cannot be imported: loss.py line 38: invalid syntax")
+        info = RunInfo(target={"name": "slime"}, target_spec=target, ranks=1, backend="gloo",
+                       backend_why="a table", lockstep=True)
+        return runner.RunResult(_verdicts(outcome), info)
+
+    monkeypatch.setattr(bisect_module.runner, "run", run)
+
+
+def _git_state(repo) -> tuple[str, int]:
+    """The user's repository as bisect must leave it: its status, and how many worktrees it has."""
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True).stdout
+    wt = subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True, text=True).stdout
+    return status, len(wt.strip().splitlines())
+
+
+def test_bisect_names_the_commit_that_changed_the_verdict(history, fake_verdicts, capsys):
+    from shardcheck.cli import main
+
+    repo, commits = history
+    before = _git_state(repo)
+    code = main(["bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c5"], *BISECT])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert f"first commit where the verdict changes: {commits['c4']}" in out, out + err
+    assert "c4 plants a bug" in out and "value_mismatch" in out
+    # the user's repository is only read
+    assert before == _git_state(repo) == ("", 1)
+
+
+def test_bisect_skips_a_commit_that_cannot_be_imported(history, fake_verdicts, capsys):
+    from shardcheck.cli import main
+
+    repo, commits = history
+    # c1..c4: the first probe (the middle) is c2, which does not import: c3 is tried instead
+    code = main(["bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c4"], *BISECT])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert f"first commit where the verdict changes: {commits['c4']}" in out
+    assert f"skipped, could not be imported: {commits['c2'][:12]}" in out, out + err
+    code = main(["bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c3"], *BISECT])
+    out, err = capsys.readouterr()
+    assert code == 0 and "the verdict is the same" in out
+
+
+def test_bisect_bad_input(history, cli_in_process):
+    repo, commits = history
+    proc = cli_in_process("bisect", "--slime-repo", str(repo), "--good", commits["c5"], "--bad", commits["c1"])
+    assert proc.returncode == 2 and "is not an ancestor" in proc.stderr
+    proc = cli_in_process("bisect", "--slime-repo", str(repo), "--good", "nope", "--bad", commits["c1"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+# -- end to end: the one real bisect, a world per commit ---------------------------------------------
+
+@pytest.mark.world
+@pytest.mark.launch
+def test_bisect_end_to_end_names_the_change_and_skips_what_cannot_be_imported(history):
+    """``python -m shardcheck bisect`` on real worlds: c1..c4 asks c2 (which does not import),
+    then c3, and names c4; the fake slime's verdicts, not a table's."""
+    repo, commits = history
+    before = _git_state(repo)
+    proc = run_cli("bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c4"], *BISECT,
+                   timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"first commit where the verdict changes: {commits['c4']}" in proc.stdout, proc.stdout + proc.stderr
     assert "c4 plants a bug" in proc.stdout and "value_mismatch" in proc.stdout
-    # the user's repository is only read
-    after = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True).stdout
-    assert before == after == ""
-    wt = subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True, text=True).stdout
-    assert len(wt.strip().splitlines()) == 1
-
-
-def test_bisect_skips_a_commit_that_cannot_be_imported(history):
-    repo, commits = history
-    # c1..c4: the first probe (the middle) is c2, which does not import: c3 is tried instead
-    proc = run_cli("bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c4"],
-                   "--suite", "smoke", "--scenario", "thd-tp1cp1-basic", timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"first commit where the verdict changes: {commits['c4']}" in proc.stdout
     assert f"skipped, could not be imported: {commits['c2'][:12]}" in proc.stdout, proc.stdout + proc.stderr
-    proc = run_cli("bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c3"],
-                   "--suite", "smoke", "--scenario", "thd-tp1cp1-basic", timeout=600)
-    assert proc.returncode == 0 and "the verdict is the same" in proc.stdout
-
-
-def test_bisect_bad_input(history):
-    repo, commits = history
-    proc = run_cli("bisect", "--slime-repo", str(repo), "--good", commits["c5"], "--bad", commits["c1"])
-    assert proc.returncode == 2 and "is not an ancestor" in proc.stderr
-    proc = run_cli("bisect", "--slime-repo", str(repo), "--good", "nope", "--bad", commits["c1"])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert before == _git_state(repo) == ("", 1)

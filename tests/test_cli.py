@@ -1,4 +1,8 @@
-"""The command line: listings, and bad input as one line with exit status 2 (no traceback)."""
+"""The command line: listings, and bad input as one line with exit status 2 (no traceback).
+
+Bad input is refused before any world starts, so those cases call ``main`` in this process
+(``cli_in_process``: a subprocess would cost an interpreter and a torch import each); the real
+entry points, the console script and ``python -m shardcheck``, are run once as processes."""
 
 import json
 import subprocess
@@ -6,10 +10,10 @@ import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import MainResult, run_cli
 
 
-def _one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+def _one_line_error(proc: MainResult | subprocess.CompletedProcess, fragment: str) -> None:
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
@@ -23,13 +27,13 @@ def _file(tmp_path, content) -> str:
     return str(p)
 
 
-def test_suites_and_targets_listings():
-    proc = run_cli("suites")
+def test_suites_and_targets_listings(cli_in_process):
+    proc = cli_in_process("suites")
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0
     assert any(ln.startswith("smoke") and "52 scenarios" in ln for ln in lines), proc.stdout
     assert any(ln.startswith("regressions") for ln in lines), proc.stdout
-    proc = run_cli("targets")
+    proc = cli_in_process("targets")
     assert proc.returncode == 0 and proc.stdout.startswith("builtin")
     from shardcheck.targets.mutants import MUTANTS
 
@@ -39,9 +43,15 @@ def test_suites_and_targets_listings():
 
 
 def test_console_script_and_module_agree():
+    """The real entry points, as processes: the console script and ``python -m shardcheck``."""
     exe = __import__("shutil").which("shardcheck") or str(__import__("pathlib").Path(sys.executable).parent / "shardcheck")
     proc = subprocess.run([exe, "suites"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == run_cli("suites").stdout
+
+
+def test_a_bad_option_through_the_real_entry_point_is_one_line():
+    """One bad input through ``python -m shardcheck`` itself: exit status and stderr as a shell sees them."""
+    _one_line_error(run_cli("frobnicate"), "invalid choice")
 
 
 @pytest.mark.parametrize(
@@ -56,8 +66,8 @@ def test_console_script_and_module_agree():
     ],
     ids=["not-json", "response-too-long", "vocab-tp", "samples-type", "unknown-field", "empty"],
 )
-def test_bad_scenario_file(tmp_path, content, fragment):
-    _one_line_error(run_cli("run", "--scenario-file", _file(tmp_path, content)), fragment)
+def test_bad_scenario_file(tmp_path, cli_in_process, content, fragment):
+    _one_line_error(cli_in_process("run", "--scenario-file", _file(tmp_path, content)), fragment)
 
 
 @pytest.mark.parametrize(
@@ -77,18 +87,18 @@ def test_bad_scenario_file(tmp_path, content, fragment):
         (["frobnicate"], "invalid choice"),
     ],
 )
-def test_bad_options(args, fragment):
-    _one_line_error(run_cli(*args), fragment)
+def test_bad_options(cli_in_process, args, fragment):
+    _one_line_error(cli_in_process(*args), fragment)
 
 
 @pytest.mark.parametrize("command", ["run", "fuzz"])
-def test_nccl_without_cuda_is_one_line(command):
+def test_nccl_without_cuda_is_one_line(cli_in_process, command):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is present here: nccl may be had")
-    _one_line_error(run_cli(command, "--backend", "nccl", "--nproc", "1"), "--backend nccl needs CUDA")
+    _one_line_error(cli_in_process(command, "--backend", "nccl", "--nproc", "1"), "--backend nccl needs CUDA")
 
 
-def test_missing_scenario_file():
-    _one_line_error(run_cli("run", "--scenario-file", "/nonexistent/s.json"), "does not exist")
+def test_missing_scenario_file(cli_in_process):
+    _one_line_error(cli_in_process("run", "--scenario-file", "/nonexistent/s.json"), "does not exist")

@@ -1,5 +1,5 @@
 """Fuzzing: the strategies (pure, no world), and ``shardcheck fuzz`` finding, shrinking and
-writing a length-dependent planted bug that ``shardcheck run`` then replays."""
+writing a length-dependent planted bug whose scenario file then replays to the same failure."""
 
 import json
 import re
@@ -8,10 +8,9 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_cli
+from conftest import run_cli, run_on_world
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller import fuzz
-from shardcheck.harness.controller.world import World
 from shardcheck.scenarios import LAYOUTS, Sample, Scenario, load_scenario_file
 from shardcheck.strategies import (
     boundary_positions,
@@ -131,8 +130,9 @@ def test_world_plan_fits_every_pair():
     (["--layout", "zigzag", "--cp", "1"], "no tp in"),
     (["--target", "builtin:nope"], "has no variant 'nope'"),
 ], ids=["tp-text", "layout-cp", "target"])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, fragment):
-    proc = run_cli("fuzz", *args, cwd=str(tmp_path), timeout=120)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, cli_in_process, args, fragment):
+    monkeypatch.chdir(tmp_path)  # where .shardcheck would be made
+    proc = cli_in_process("fuzz", *args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("shardcheck: error: ") and fragment in lines[0], proc.stderr
@@ -153,7 +153,9 @@ def test_bad_options_are_refused_before_any_world_starts(kwargs, fragment):
 
 
 @pytest.mark.world
-def test_fuzz_finds_shrinks_writes_and_replays_the_planted_bug(tmp_path):
+def test_fuzz_finds_shrinks_writes_and_replays_the_planted_bug(tmp_path, world):
+    """The real ``shardcheck fuzz`` process; the file it writes is replayed on the session's world
+    (``shardcheck run`` itself is run end to end in test_run)."""
     out = tmp_path / "found" / "minimal.json"
     proc = run_cli("fuzz", "--target", MUTANT, "--seed", "2", "--max-examples", "40", "--out", str(out), "-q",
                    cwd=str(tmp_path), timeout=300)
@@ -169,44 +171,42 @@ def test_fuzz_finds_shrinks_writes_and_replays_the_planted_bug(tmp_path):
     assert "value_mismatch" in kinds
     assert any((tmp_path / ".shardcheck" / "hypothesis").iterdir()), "the failure must be kept for next time"
 
-    report = tmp_path / "replay.json"
-    again = run_cli("run", "--target", MUTANT, "--scenario-file", str(out), "--json-report", str(report), "-q",
-                    cwd=str(tmp_path), timeout=300)
-    assert again.returncode == 1, again.stdout + again.stderr
-    [verdict] = json.loads(report.read_text())["scenarios"]
+    # the replay: the scenario file, run and reported as `shardcheck run --json-report` does (4 ranks
+    # hold any cp the search drew)
+    again = run_on_world(world, load_scenario_file(out), MUTANT, tmp_path / "replay.json", str(out))
+    assert again.exit_code == 1, again.stdout
+    [verdict] = again.report["scenarios"]
     assert verdict["verdict"] == "fail" and verdict["kinds"] == kinds
 
 
 @pytest.mark.world
-def test_fuzzing_the_correct_target_finds_nothing(tmp_path):
-    proc = run_cli("fuzz", "--target", "builtin", "--seed", "11", "--max-examples", "12", "--tp", "1", "--cp", "1",
-                   cwd=str(tmp_path), timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "no failure found in" in proc.stdout and "scenarios/min" in proc.stdout
-    assert "seed 11, 1 rank," in proc.stderr and not (tmp_path / ".shardcheck" / "fuzz-failure.json").exists()
+def test_fuzzing_the_correct_target_finds_nothing(tmp_path, monkeypatch, capsys):
+    """``shardcheck fuzz`` through ``main`` in this process: its own one-rank world, no interpreter start."""
+    from shardcheck.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["fuzz", "--target", "builtin", "--seed", "11", "--max-examples", "12", "--tp", "1", "--cp", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "no failure found in" in out and "scenarios/min" in out
+    assert "seed 11, 1 rank," in err and not (tmp_path / ".shardcheck" / "fuzz-failure.json").exists()
 
 
-# -- the Python API on one shared world ------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def world():
-    with World(2, timeout=30) as w:
-        yield w
-
+# -- the Python API on one shared world (the session's two-rank world) ------------------------------
 
 @pytest.mark.world
-def test_api_on_a_shared_world_finds_nothing_in_the_correct_target(world):
-    starts = len(world.startup_seconds)
-    result = fuzz.fuzz("builtin", max_examples=30, seed=4, world=world, database=None)
+def test_api_on_a_shared_world_finds_nothing_in_the_correct_target(world2):
+    starts = len(world2.startup_seconds)
+    result = fuzz.fuzz("builtin", max_examples=30, seed=4, world=world2, database=None)
     assert result.failure is None and result.exit_code == 0 and result.counts["fail"] == 0
     assert result.searched >= 20 and result.nproc == 2 and {c for _, c in result.pairs} == {1, 2}
-    assert len(world.startup_seconds) == starts and result.startup_seconds == []
+    assert len(world2.startup_seconds) == starts and result.startup_seconds == []
 
 
 @pytest.mark.world
-def test_a_found_failure_is_tried_first_next_time(world, tmp_path):
+def test_a_found_failure_is_tried_first_next_time(world2, tmp_path):
     db = str(tmp_path / "db")
-    first = fuzz.fuzz(MUTANT, max_examples=60, seed=0, layouts=["zigzag"], world=world, database=db)
+    first = fuzz.fuzz(MUTANT, max_examples=60, seed=0, layouts=["zigzag"], world=world2, database=db)
     assert first.failure is not None and _planted(first.failure.scenario)
-    second = fuzz.fuzz(MUTANT, max_examples=60, seed=1, layouts=["zigzag"], world=world, database=db)
+    second = fuzz.fuzz(MUTANT, max_examples=60, seed=1, layouts=["zigzag"], world=world2, database=db)
     assert second.searched == 1 and second.failure.scenario.key == first.failure.scenario.key

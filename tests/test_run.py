@@ -1,12 +1,16 @@
-"""End to end: the CLI on a real multi-process gloo world, against the builtin target and plants."""
+"""End to end: the CLI on a real multi-process gloo world, against the builtin target and plants.
+
+What is about the verdicts and reports a run makes (a plant named where it is) runs in this
+process on the session's world, with the reporters ``shardcheck run`` uses; what is about the
+command and its own world (one start per run, restarts, --no-lockstep, --timeout) runs the CLI."""
 
 import json
 import time
 
 import pytest
 
-from conftest import run_cli, write_scenarios
-from shardcheck.scenarios import Sample, Scenario, get_suite
+from conftest import run_cli, run_on_world, write_scenarios
+from shardcheck.scenarios import Sample, Scenario, get_suite, load_scenario_file
 
 pytestmark = pytest.mark.world
 
@@ -33,12 +37,12 @@ def test_smoke_suite_passes_with_one_world_start(tmp_path):
 
 
 @pytest.mark.parametrize("layout,tp,cp", [("thd", 2, 1), ("zigzag", 1, 2)])
-def test_corrupted_value_is_named(tmp_path, layout, tp, cp):
+def test_corrupted_value_is_named(tmp_path, world2, layout, tp, cp):
     f = write_scenarios(tmp_path / "s.json", [_small(layout, tp, cp, f"{layout}-corrupt")])
-    report = tmp_path / "r.json"
-    proc = run_cli("run", "--target", "plants:CorruptValue", "--scenario-file", str(f), "--json-report", str(report))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    v = json.loads(report.read_text())["scenarios"][0]
+    # two ranks: the world `shardcheck run` would start for this scenario
+    proc = run_on_world(world2, load_scenario_file(f), "plants:CorruptValue", tmp_path / "r.json", str(f))
+    assert proc.exit_code == 1, proc.stdout
+    v = proc.report["scenarios"][0]
     assert v["verdict"] == "fail" and v["kinds"] == ["value_mismatch"]
     [f0] = v["failures"]
     assert (f0["field"], f0["sample"], f0["token"]) == ("log_probs", 1, 3)
@@ -47,12 +51,11 @@ def test_corrupted_value_is_named(tmp_path, layout, tp, cp):
 
 
 @pytest.mark.parametrize("layout,tp,cp", [("thd", 2, 1), ("allgather", 1, 2)])
-def test_corrupted_gradient_is_named(tmp_path, layout, tp, cp):
+def test_corrupted_gradient_is_named(tmp_path, world2, layout, tp, cp):
     f = write_scenarios(tmp_path / "s.json", [_small(layout, tp, cp, f"{layout}-corrupt-grad")])
-    report = tmp_path / "r.json"
-    proc = run_cli("run", "--target", "plants:CorruptGrad", "--scenario-file", str(f), "--json-report", str(report))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    v = json.loads(report.read_text())["scenarios"][0]
+    proc = run_on_world(world2, load_scenario_file(f), "plants:CorruptGrad", tmp_path / "r.json", str(f))
+    assert proc.exit_code == 1, proc.stdout
+    v = proc.report["scenarios"][0]
     assert v["kinds"] == ["grad_mismatch"]
     [f0] = v["failures"]
     assert (f0["field"], f0["sample"], f0["token"], f0["column"]) == ("grad", 1, 3, 5)
@@ -65,13 +68,14 @@ def test_without_lockstep_a_raising_rank_is_bounded_by_the_timeout_and_the_world
     ends the wait, both are reported, the world restarts by itself and the next scenario runs."""
     scenarios = [_small("allgather", 1, 2, "ag-raise"), _small("zigzag", 1, 2, "zz-after")]
     f = write_scenarios(tmp_path / "s.json", scenarios)
-    report = tmp_path / "r.json"
     t0 = time.perf_counter()
-    proc = run_cli("run", "--target", "plants:RaiseOnCpRank1", "--scenario-file", str(f), "--timeout", "5",
-                   "--no-lockstep", "--json-report", str(report), timeout=240)
+    # a world of its own, as `run --timeout 5 --no-lockstep` starts (its restarts are counted);
+    # the CLI's own flags are run end to end in the test below
+    proc = run_on_world(None, load_scenario_file(f), "plants:RaiseOnCpRank1", tmp_path / "r.json", str(f),
+                        timeout=5, lockstep=False)
     elapsed = time.perf_counter() - t0
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    doc = json.loads(report.read_text())
+    assert proc.exit_code == 1, proc.stdout
+    doc = proc.report
     by_name = {v["name"]: v for v in doc["scenarios"]}
     first = by_name["ag-raise"]["failures"]
     assert first[0]["kind"] == "rank_error"
@@ -84,18 +88,27 @@ def test_without_lockstep_a_raising_rank_is_bounded_by_the_timeout_and_the_world
     assert doc["lockstep"] is False
 
 
-def test_a_hang_is_a_report_at_once_with_lockstep_and_a_timeout_without(tmp_path):
+def test_a_hang_is_a_report_at_once_with_lockstep_and_a_timeout_without(tmp_path, world2):
     """The lockstep check is what turns the hang into a report: the same mutant blocks until the
-    collective timeout without it."""
+    collective timeout without it. Without lockstep, the CLI on a world of its own (its timeout);
+    with it, the session's two-rank world (the size the CLI starts for this scenario; lockstep
+    on, reporting at once whatever its timeout)."""
     timeout = 6
     seconds = {}
+    scenario = ["--suite", "regressions", "--scenario", "ag-empty-local-slices"]
     for mode in ("--no-lockstep", None):
-        report = tmp_path / f"r{mode}.json"
-        args = ["run", "--target", "builtin:skip_empty_rank", "--suite", "regressions",
-                "--scenario", "ag-empty-local-slices", "--timeout", str(timeout), "--json-report", str(report)]
-        proc = run_cli(*(args + [mode] if mode else args), timeout=240)
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        [v] = json.loads(report.read_text())["scenarios"]
+        if mode:
+            report = tmp_path / f"r{mode}.json"
+            proc = run_cli("run", "--target", "builtin:skip_empty_rank", *scenario, "--timeout", str(timeout),
+                           "--json-report", str(report), mode, timeout=240)
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            [v] = json.loads(report.read_text())["scenarios"]
+        else:
+            [sc] = [s for s in get_suite("regressions") if s.name == "ag-empty-local-slices"]
+            assert world2.lockstep and world2.nproc == sc.ranks
+            proc = run_on_world(world2, [sc], "builtin:skip_empty_rank", tmp_path / "r.json", "regressions")
+            assert proc.exit_code == 1, proc.stdout
+            [v] = proc.report["scenarios"]
         seconds[mode] = v["seconds"]
         kinds = {(f["kind"], f.get("phase")) for f in v["failures"]}
         if mode:

@@ -62,8 +62,8 @@ def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
         slime_source(str(tmp_path))
 
 
-def test_cli_without_a_checkout_is_one_line_exit_2(tmp_path):
-    env_free = run_cli("run", "--target", "slime", "--slime-src", str(tmp_path))
+def test_cli_without_a_checkout_is_one_line_exit_2(tmp_path, cli_in_process):
+    env_free = cli_in_process("run", "--target", "slime", "--slime-src", str(tmp_path))
     assert env_free.returncode == 2 and "is not a slime checkout" in env_free.stderr
     assert "Traceback" not in env_free.stderr
 
@@ -82,8 +82,8 @@ def test_slime_passes_every_smoke_scenario_it_supports(tmp_path):
     assert verdicts <= {"pass", "skip"} and "pass" in verdicts
 
 
-def test_policy_loss_is_a_variant_of_the_slime_target(tmp_path):
-    proc = run_cli("targets")
+def test_policy_loss_is_a_variant_of_the_slime_target(tmp_path, cli_in_process):
+    proc = cli_in_process("targets")
     assert proc.returncode == 0 and "policy_loss" in proc.stdout, proc.stdout
     from shardcheck.targets import resolve
 
@@ -125,8 +125,8 @@ def _archive(repo: str, rev: str, dest) -> str:
 @needs_slime_history
 @pytest.mark.world
 def test_a_bug_at_one_call_site_shows_only_through_the_caller(tmp_path):
-    """Bug class 5: before PR #2153, policy_loss_function passed with_entropy_grad to a
-    get_log_probs_and_entropy that no longer took it. Calling the function directly passes; the
+    """The gradient decision at one call site: before PR #2153, policy_loss_function passed
+    with_entropy_grad to a get_log_probs_and_entropy that no longer took it. Calling the function directly passes; the
     policy loss target names the caller's line."""
     src = _archive(os.environ[REPO_ENV], f"{PR_2153}~1", tmp_path / "slime")
     scenario = ["--suite", "regressions", "--scenario", "thd-tp2-chunks", "--slime-src", src]

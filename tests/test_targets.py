@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, write_scenarios
-from shardcheck.scenarios import Sample, Scenario
+from conftest import run_cli, run_on_world, write_scenarios
+from shardcheck.scenarios import Sample, Scenario, load_scenario_file
 
 pytestmark = pytest.mark.world
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "naive_target"
@@ -25,14 +25,14 @@ def _scenarios(layouts, with_entropy=True):
     return out
 
 
-def test_megatron_cross_entropy_passes_and_states_what_it_cannot_do(tmp_path):
+def test_megatron_cross_entropy_passes_and_states_what_it_cannot_do(tmp_path, world):
+    """On the session's four-rank world: the size `shardcheck run` starts for these scenarios."""
     scenarios = _scenarios([("thd", 2, 1), ("bshd", 2, 1), ("zigzag", 2, 2), ("allgather", 2, 2)], False)
     scenarios.append(Scenario("with-entropy", (Sample(9, 4),), vocab=8, tp=2, seed=1))
     f = write_scenarios(tmp_path / "s.json", scenarios)
-    report = tmp_path / "r.json"
-    proc = run_cli("run", "--target", "megatron", "--scenario-file", str(f), "--json-report", str(report))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(report.read_text())
+    proc = run_on_world(world, load_scenario_file(f), "megatron", tmp_path / "r.json", str(f))
+    assert proc.exit_code == 0, proc.stdout
+    doc = proc.report
     by = {v["name"]: v for v in doc["scenarios"]}
     assert [by[n]["verdict"] for n in ("thd-tp2cp1", "bshd-tp2cp1", "zigzag-tp2cp2")] == ["pass"] * 3
     assert by["with-entropy"]["verdict"] == "skip" and "computes no entropy" in by["with-entropy"]["reason"]
@@ -54,6 +54,7 @@ def installed_plugin(tmp_path):
         subprocess.run(pip + ["uninstall", "-y", "shardcheck-naive-target"], capture_output=True, timeout=300)
 
 
+@pytest.mark.launch
 def test_a_third_party_target_installed_as_a_plugin_runs(tmp_path, installed_plugin):
     listing = run_cli("targets")
     assert any(ln.startswith("naive ") for ln in listing.stdout.splitlines()), listing.stdout

@@ -95,10 +95,21 @@ def bisect(repo: str, old: str, new: str, scenarios: Sequence[Scenario], target:
            timeout: float = 60.0, reporter_factory: Callable[[], Any],
            progress: Callable[[Step], None] = lambda step: None) -> BisectResult:
     commits = commits_between(repo, old, new)
+
+    def check(commit: str) -> Step:
+        return check_commit(repo, commit, scenarios, target, timeout=timeout, reporter_factory=reporter_factory)
+
+    return search(commits, check, progress)
+
+
+def search(commits: Sequence[str], check: Callable[[str], Step],
+           progress: Callable[[Step], None] = lambda step: None) -> BisectResult:
+    """The binary search over ``commits`` (oldest first), with ``check`` giving a commit's step:
+    the seam that lets the search be tested against a table of verdicts, without a world."""
     steps: list[Step] = []
 
     def visit(i: int) -> Step:
-        step = check_commit(repo, commits[i], scenarios, target, timeout=timeout, reporter_factory=reporter_factory)
+        step = check(commits[i])
         steps.append(step)
         progress(step)
         return step
