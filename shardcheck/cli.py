@@ -30,10 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     r = sub.add_parser("run", help="check a target against a suite or scenario file")
     _world_options(r)
-    r.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")
-    r.add_argument("--scenario", action="append", default=[], metavar="NAME",
-                   help="run only this scenario of the suite (repeatable)")
-    r.add_argument("--scenario-file", metavar="FILE", help="JSON file with a scenario or a list of them")
+    _scenario_options(r)
     r.add_argument("--json-report", metavar="FILE", help="write the report here, updated as results arrive")
     r.add_argument("--nproc", type=int, default=None,
                    help="ranks in the world (default: the least every scenario fits in)")
@@ -41,10 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
     v = sub.add_parser("invariance", help="check that each sample's outputs keep their bits however it is laid out")
     _world_options(v)
-    v.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")
-    v.add_argument("--scenario", action="append", default=[], metavar="NAME",
-                   help="only this scenario of the suite (repeatable)")
-    v.add_argument("--scenario-file", metavar="FILE", help="JSON file with a scenario or a list of them")
+    _scenario_options(v)
     v.add_argument("--axis", type=_name_list, default=None, metavar="LIST",
                    help="axes to check (default: all): rerun,tp,cp,cp_mode,format,chunk,packing,order,split")
     v.add_argument("--expect", default=None, metavar="SPEC",
@@ -97,6 +91,14 @@ def _world_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lockstep", action="store_true",
                    help="trace collectives without the lockstep check; a hang then lasts until --timeout")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+
+def _scenario_options(p: argparse.ArgumentParser) -> None:
+    """What to check (run, invariance): a suite or a scenario file, maybe narrowed by name."""
+    p.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")
+    p.add_argument("--scenario", action="append", default=[], metavar="NAME",
+                   help="only this scenario of the suite (repeatable)")
+    p.add_argument("--scenario-file", metavar="FILE", help="JSON file with a scenario or a list of them")
 
 
 def _use_slime_src(args: argparse.Namespace) -> None:
