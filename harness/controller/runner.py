@@ -6,8 +6,8 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from shardcheck.harness.backend import choose_backend
 from shardcheck.harness.controller.verdict import (
