@@ -217,6 +217,7 @@ def assemble(scenario: Scenario, results: Sequence[RankResult]) -> dict[int, Sam
 
 # -- differences ---------------------------------------------------------------------------------
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+FAR = 1 << 40  # the distance of a NaN from a number, or of outputs of different shapes
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -229,7 +230,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(bits < 0, -(bits + sign_bit), bits)
 
     d = (ordered(a) - ordered(b)).abs()
-    return torch.where(a.isnan() != b.isnan(), torch.full_like(d, 1 << 40), d)
+    return torch.where(a.isnan() != b.isnan(), torch.full_like(d, FAR), d)
 
 
 @dataclass
@@ -247,7 +248,7 @@ class Difference:
 
 def difference(want: torch.Tensor, got: torch.Tensor) -> Difference | None:
     if want.shape != got.shape or want.dtype != got.dtype:
-        return Difference(1 << 40, float("inf"), float("inf"), (), float("nan"), float("nan"), max(want.numel(), 1))
+        return Difference(FAR, float("inf"), float("inf"), (), float("nan"), float("nan"), max(want.numel(), 1))
     ulp = ulp_distance(want, got)
     count = int((ulp > 0).sum())
     if count == 0:
@@ -282,7 +283,7 @@ class Cell:
         if self.worst is None:
             return "bitwise"
         w = self.worst
-        return f"<= {w.ulp} ulp (abs {w.abs:.2g})" if w.ulp < (1 << 40) else "differs (shape/NaN)"
+        return f"<= {w.ulp} ulp (abs {w.abs:.2g})" if w.ulp < FAR else "differs (shape/NaN)"
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"compared": self.compared, "result": self.text()}
