@@ -100,8 +100,8 @@ def run_on_world(world: Any, scenarios: Sequence[Any], target: str, report: Path
 
 @pytest.fixture(scope="session")
 def world():
-    """One 4-rank gloo world for every test that does not need a world of its own (start-up
-    costs 10 to 25 s on 2 cores; the world restarts itself when a scenario leaves it unusable)."""
+    """One 4-rank gloo world for every test that does not need a world of its own (a few seconds
+    the first time in a process; it restarts itself when a scenario leaves it unusable)."""
     from shardcheck.harness.controller.world import World
 
     with World(4, timeout=20) as w:

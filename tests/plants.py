@@ -6,6 +6,8 @@ known place, so a test can check the harness names exactly that place.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardcheck.harness.layout import rank_layout
@@ -344,3 +346,13 @@ class Releasable(BuiltinTarget):
 
     def release(self) -> None:
         RELEASED.append(self.name)
+
+
+class PrintsAnEnvironmentVariable(BuiltinTarget):
+    """builtin, which prints SHARDCHECK_TEST_PROBE as the rank sees it"""
+
+    name = "plants:PrintsAnEnvironmentVariable"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        print("probe:", os.environ.get("SHARDCHECK_TEST_PROBE"), flush=True)
+        return super().compute(inputs)

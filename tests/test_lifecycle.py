@@ -14,18 +14,26 @@ from conftest import TESTS
 pytestmark = pytest.mark.world
 
 
-def _children(pid: int) -> set[int]:
-    out = set()
+def _parents() -> dict[int, int]:
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                out.add(int(entry))
     return out
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid``: ranks fork from a server, so they are its grandchildren."""
+    parents = _parents()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -51,7 +59,7 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
             time.sleep(0.2)
         else:
             pytest.fail("no results within 180 s")
-        ranks = _children(proc.pid)
+        ranks = _descendants(proc.pid)
         assert len(ranks) >= 4
         proc.send_signal(sig)
         proc.wait(timeout=30)

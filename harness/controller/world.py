@@ -5,6 +5,8 @@ The controller owns the rendezvous store (a TCPStore on a port the OS picks, so 
 race for a port) and one pipe per rank. A rank that dies, raises or hangs becomes a result with a
 ``rank_error``; after such a scenario the world is restarted before the next one, transparently.
 On a hang the controller first asks every rank for its stack (faulthandler), then ends them.
+Ranks fork from a server that imported torch and megatron-core once, so a (re)start costs a
+fraction of a second after the first (see ``_start_context``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ DEATH_GRACE_S = 3.0  # after a rank dies, how long its peers get to report befor
 
 class World:
     def __init__(self, nproc: int, *, timeout: float = 60.0, start_timeout: float = 180.0,
-                 lockstep: bool = True, backend: str = "gloo") -> None:
+                 lockstep: bool = True, backend: str = "gloo", fork_server: bool = True) -> None:
         if nproc < 1:
             raise ValueError(f"a world needs at least one rank, got {nproc}")
         self.nproc = nproc
@@ -37,6 +39,7 @@ class World:
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.lockstep = lockstep
+        self.fork_server = fork_server  # False: every rank is spawned afresh (see _start_context)
         self.generation = 0
         self.startup_seconds: list[float] = []  # wall time of each (re)start
         self._procs: list[Any] = []
@@ -68,12 +71,9 @@ class World:
         self._dir = tempfile.TemporaryDirectory(prefix="shardcheck-world-")
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.start_timeout))
-        ctx = mp.get_context("spawn")
+        env = _rank_environment()
+        ctx = _start_context(self.backend, env, self.fork_server)
         atexit.register(self.close)
-        saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
-        # Children read it when torch loads (before any code of ours runs there): a lockstep wait
-        # slice that times out is routine, not a warning.
-        os.environ["TORCH_CPP_LOG_LEVEL"] = saved or "ERROR"
         for rank in range(self.nproc):
             parent, child = ctx.Pipe(duplex=True)
             options = {
@@ -83,6 +83,7 @@ class World:
                 "output_file": self._output_file(rank),
                 "lockstep": self.lockstep,
                 "backend": self.backend,
+                "environment": env,
             }
             p = ctx.Process(target=rank_main, args=(rank, self.nproc, self._store.port, child, options),
                             name=f"shardcheck-rank{rank}", daemon=True)
@@ -90,8 +91,6 @@ class World:
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
-        if saved is None:
-            del os.environ["TORCH_CPP_LOG_LEVEL"]
         try:
             self._await_ready(t0 + self.start_timeout)
         except BaseException:
@@ -282,6 +281,54 @@ class World:
     def _traceback_file(self, rank: int) -> str:
         assert self._dir is not None
         return os.path.join(self._dir.name, f"rank{rank}.stack")
+
+
+def _rank_environment() -> dict[str, str]:
+    """The controller's environment as a rank should see it, read at each start (a forked rank
+    would otherwise have the fork server's, frozen when it started)."""
+    env = dict(os.environ)
+    # torch reads it when it loads: a lockstep wait slice that times out is routine, not a warning
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+# Read by torch, its thread pools or its backends when they load, which a forked rank does not
+# do again: a rank forks only from a server that loaded them with the same values.
+_LOAD_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GLOO_", "NCCL_", "CUDA_")
+# Torch sets this one in the controller itself (to its default) and reads it whenever it is used.
+_READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+_server_settings: dict[str, str] | None = None  # those values, as the fork server loaded torch
+
+
+def _load_time_settings(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME_PREFIXES) and k not in _READ_WHEN_USED}
+
+
+def _start_context(backend: str, env: dict[str, str], fork_server: bool) -> Any:
+    """How rank processes start. On CPU (gloo) they fork from a server that has imported torch and
+    megatron-core once (``rank/preload.py``); with nccl they are spawned afresh, because a process
+    that may have touched CUDA must not be forked, and so they are when the settings torch reads
+    as it loads have changed since the server loaded it."""
+    global _server_settings
+    settings = _load_time_settings(env)
+    if (not fork_server or backend != "gloo" or "forkserver" not in mp.get_all_start_methods()
+            or _server_settings not in (None, settings)):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    from multiprocessing import forkserver
+
+    # Both only matter when the server starts (once per controller process).
+    ctx.set_forkserver_preload(["shardcheck.harness.rank.preload"])
+    saved = dict(os.environ)
+    os.environ.update({k: v for k, v in env.items() if k not in saved})
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _server_settings = settings
+    return ctx
 
 
 def _innermost_frame(faulthandler_text: str) -> str:

@@ -16,13 +16,16 @@ if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal be
 
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
-    """Process entry point (spawned by the controller)."""
+    """Process entry point (started by the controller: forked from its server, or spawned)."""
     _die_with_parent()
     if options.get("output_file"):  # the controller shows each distinct line once, not as it comes
         fd = os.open(options["output_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    if "environment" in options:  # the controller's, as of this start (not the fork server's)
+        os.environ.clear()
+        os.environ.update(options["environment"])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import faulthandler
     import signal
@@ -78,7 +81,7 @@ def prepare(rank: int, world_size: int, store_host: str, store_port: int, option
             device: Any) -> RankRunner:
     """Ready this process, already in the default process group, to run scenarios: group
     timeouts, megatron's import, the collective trace and the lockstep check (over the store at
-    ``store_host:store_port``). Used by spawned ranks and by a joined world (torchrun) alike."""
+    ``store_host:store_port``). Used by the controller's ranks and by a joined world (torchrun) alike."""
     from shardcheck.harness.rank import groups, trace
 
     groups.set_timeout(options["collective_timeout"])
