@@ -18,12 +18,13 @@ import time
 
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.world import World
+from shardcheck.harness.wire import Checks
 from shardcheck.scenarios import get_suite
 
 MODES = {
-    "without the check": {"inplace": False},
-    "with the check (every run)": {"inplace": True},
-    "with the write watch on every op (explain)": {"inplace": True, "explain": True},
+    "without the check": Checks(inplace=False),
+    "with the check (every run)": Checks(inplace=True),
+    "with the write watch on every op (explain)": Checks(inplace=True, explain=True),
 }
 
 
@@ -39,10 +40,10 @@ def main() -> None:
     with World(runner.world_size_for(scenarios), timeout=60) as world:
         startup = time.perf_counter() - t0
         for _ in range(args.repeat + 1):  # the first round warms imports, groups and caches
-            for mode, flags in MODES.items():
+            for mode, checks in MODES.items():
                 t1 = time.perf_counter()
                 for sc in scenarios:
-                    results = world.run(sc.to_dict(), args.target, **flags)
+                    results = world.run(sc.to_dict(), args.target, checks)
                     if any(r.failures for r in results):
                         raise SystemExit(f"{sc.name} failed ({mode}): {results[0].failures[:1]}")
                 times[mode].append(time.perf_counter() - t1)

@@ -26,9 +26,9 @@ def main() -> None:
     t0 = time.perf_counter()
     result = check_invariance(get_suite(args.suite), args.target, axes=args.axis.split(","))
     wall = time.perf_counter() - t0
-    startup = sum(result.info.get("startup_seconds", []))
+    startup = sum(result.info.startup_seconds)
     print(f"{args.suite} suite's samples, target {args.target}: {len(result.runs)} variant runs, "
-          f"world start-up {startup:.1f}s ({len(result.info.get('startup_seconds', []))} start)")
+          f"world start-up {startup:.1f}s ({len(result.info.startup_seconds)} start)")
     for axis, seconds in result.axis_seconds.items():
         print(f"  {axis:<8} {seconds:6.1f}s")
     print(f"  total wall {wall:.1f}s (goal: under 180s)")

@@ -6,10 +6,8 @@ on either side) or by the rank's runner, and serialized by :meth:`RankResult.to_
 :meth:`RankResult.from_wire` alone (as pytest-xdist serializes its reports in one place).
 
 Controller -> rank:
-    run   scenario (dict), target (spec str), seq (int), trace_calls (bool), inplace (bool: check
-          the inputs stay unchanged), outputs (bool: send the target's outputs back), reference (bool:
-          compare with the float64 reference), explain (bool: find the call site of the first in-place
-          write into an input)                                      run one scenario
+    run   scenario (dict), target (spec str), seq (int), checks (a Checks, as to_wire gives it)
+                                                           run one scenario
     stop                                                   leave the loop and exit
 Rank -> controller (the controller adds who sent it on arrival):
     ready   pid, seconds                                   joined the world, waiting for work
@@ -33,6 +31,24 @@ READY, RESULT, FATAL = "ready", "result", "fatal"
 
 def message(name: str, **kwargs: Any) -> tuple[str, dict[str, Any]]:
     return name, kwargs
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What a rank checks, and sends back, for one scenario."""
+
+    trace_calls: bool = False  # send the whole collective trace back, not only a failure's tail
+    inplace: bool = True  # the target leaves its inputs, and the gradients fed to its outputs, unchanged
+    outputs: bool = False  # send the target's own outputs and logit gradient back, bit for bit
+    reference: bool = True  # compare values and gradient with the float64 reference
+    explain: bool = False  # find the call site of the first in-place write (a dispatch mode on every op)
+
+    def to_wire(self) -> dict[str, bool]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Checks:
+        return cls(**d)
 
 
 def short_path(path: str) -> str:

@@ -42,6 +42,7 @@ import torch
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller.verdict import INVARIANCE_VIOLATION, Failure, RankResult, Verdict, merge
 from shardcheck.scenarios.scenario import CP_LAYOUTS, Sample, Scenario, data_id
+from shardcheck.harness.wire import Checks
 
 AXES = ("rerun", "tp", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")
 QUANTITIES = ("log_probs", "entropy", "grad")
@@ -298,6 +299,24 @@ class Cell:
 
 
 @dataclass
+class InvarianceInfo:
+    """What an invariance check says about itself, beside its matrix: the world and the time."""
+
+    target_spec: str = ""
+    ranks: int = 0
+    backend: str = ""
+    backend_why: str = ""
+    bases: list[str] = field(default_factory=list)  # the base scenarios' names
+    bases_done: int = 0
+    complete: bool = False
+    startup_seconds: list[float] = field(default_factory=list)  # one entry per world (re)start
+    wall_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class InvarianceResult:
     target: dict[str, Any]
     axes: list[str]
@@ -306,7 +325,7 @@ class InvarianceResult:
     violations: list[Failure] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)  # every variant run: scenario, verdict
     axis_seconds: dict[str, float] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
+    info: InvarianceInfo = field(default_factory=InvarianceInfo)
 
     @property
     def exit_code(self) -> int:
@@ -321,7 +340,7 @@ class InvarianceResult:
             "violations": [f.to_dict() for f in self.violations],
             "axis_seconds": {a: round(s, 3) for a, s in self.axis_seconds.items()},
             "runs": self.runs,
-            **self.info,
+            **self.info.to_dict(),
         }
 
 
@@ -466,28 +485,28 @@ def check_invariance(
         world = World(size, timeout=timeout, backend=backend)
     def run(sc: Scenario) -> list[RankResult]:
         # outputs only: values against the reference and the in-place check are `run`'s business
-        results = world.run(sc.to_dict(), target_spec, outputs=True, reference=False, inplace=False)
+        results = world.run(sc.to_dict(), target_spec, Checks(outputs=True, reference=False, inplace=False))
         if results and results[0].target:
             res.target = results[0].target  # as the ranks describe it (slime: commit, era)
         return results
 
     check = Invariance(target, axes, contract, size, run, on_run)
     res = check.result
-    res.info = {"target_spec": target_spec, "ranks": size, "backend": getattr(world, "backend", backend),
-                "backend_why": backend_why, "bases": [sc.name for sc in scenarios], "complete": False}
+    res.info = InvarianceInfo(target_spec, size, getattr(world, "backend", backend), backend_why,
+                              [sc.name for sc in scenarios])
     t0 = time.perf_counter()
     try:
         if own_world:
             world.start()
         for sc in scenarios:
             check.check(sc)
-            res.info["bases_done"] = res.info.get("bases_done", 0) + 1
+            res.info.bases_done += 1
             if on_base is not None:
                 on_base(res)
-        res.info["complete"] = True
+        res.info.complete = True
     finally:
-        res.info["startup_seconds"] = [round(s, 3) for s in getattr(world, "startup_seconds", [])]
-        res.info["wall_seconds"] = round(time.perf_counter() - t0, 3)
+        res.info.startup_seconds = [round(s, 3) for s in getattr(world, "startup_seconds", [])]
+        res.info.wall_seconds = round(time.perf_counter() - t0, 3)
         if own_world:
             world.close()
     return res

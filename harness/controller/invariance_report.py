@@ -39,8 +39,8 @@ class InvarianceProgress:
 def render(result: InvarianceResult) -> str:
     t = result.target
     lines = [f"invariance of target {t.get('name', '?')} {t.get('version', '')}".rstrip()
-             + f" ({len(result.info.get('bases', []))} base scenarios, {len(result.runs)} runs, "
-             f"{result.info.get('ranks')} ranks)", ""]
+             + f" ({len(result.info.bases)} base scenarios, {len(result.runs)} runs, "
+             f"{result.info.ranks} ranks)", ""]
     rows = [("axis", "expected", *QUANTITIES, "time")]
     for axis in result.axes:
         cells = result.matrix[axis]

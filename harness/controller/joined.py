@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from shardcheck.errors import WorldError
-from shardcheck.harness.wire import RankResult
+from shardcheck.harness.wire import Checks, RankResult
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -105,8 +105,7 @@ class JoinedWorld:
         self._owns_group = False
         self._runner = self._exchange = self._store = None
 
-    def run(self, scenario: dict[str, Any], target: str, trace: bool = False, *, inplace: bool = True,
-            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[RankResult]:
+    def run(self, scenario: dict[str, Any], target: str, checks: Checks = Checks()) -> list[RankResult]:
         """Run one scenario here and on every peer; every rank gets every rank's result."""
         import torch.distributed as dist
 
@@ -117,9 +116,7 @@ class JoinedWorld:
             mine = RankResult.error(self.rank, f"not run: the world is out of step since {self._out_of_step}",
                                     desync=False)
         else:
-            mine = self._runner.run(scenario=scenario, target=target, seq=self._seq, trace_calls=trace,
-                                    inplace=inplace, outputs=outputs, reference=reference,
-                                    explain=explain)
+            mine = self._runner.run(scenario, target, self._seq, checks)
             mine.received_at = time.time()
         results: list[Any] = [None] * self.nproc
         try:

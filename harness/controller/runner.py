@@ -20,6 +20,7 @@ from shardcheck.harness.controller.verdict import (
     merge,
 )
 from shardcheck.harness.controller.world import World
+from shardcheck.harness.wire import Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
 
@@ -136,13 +137,13 @@ def run(
         # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
         for i, sc in sorted(runnable, key=lambda p: (p[1].tp, p[1].cp)):
             started = time.perf_counter()
-            results = world.run(sc.to_dict(), target_spec, trace=trace, inplace=inplace)
+            results = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace))
             verdict = merge(sc, results, time.perf_counter() - started)
             if _unexplained_mutation(verdict) or _unexplained_backward_call(verdict):
                 # the call site of an in-place write, and where a backward collective's autograd
                 # node was made, are found by watches too dear to keep on: run the scenario again
                 # with them (every rank decides the same, from the verdict)
-                again = world.run(sc.to_dict(), target_spec, trace=trace, inplace=True, explain=True)
+                again = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=True, explain=True))
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
                 info.target = results[0].target

@@ -24,7 +24,7 @@ from typing import Any
 from shardcheck.errors import WorldError
 from shardcheck.harness import wire
 from shardcheck.harness.rank.main import rank_main
-from shardcheck.harness.wire import RankResult
+from shardcheck.harness.wire import Checks, RankResult
 
 DEATH_GRACE_S = 3.0  # after a rank dies, how long its peers get to report before they are ended
 
@@ -152,14 +152,10 @@ class World:
         self.start()
 
     # -- work -------------------------------------------------------------------------------
-    def run(self, scenario: dict[str, Any], target: str, trace: bool = False, *, inplace: bool = True,
-            outputs: bool = False, reference: bool = True, explain: bool = False) -> list[RankResult]:
-        """Run one scenario on every rank; one result dict per rank, always, within the timeout.
-
-        A rank that raised, died or hung comes back as a result holding a ``rank_error``.
-        ``inplace``, ``outputs``, ``reference`` and ``explain`` are the rank's checks (see
-        ``RankRunner.run``).
-        """
+    def run(self, scenario: dict[str, Any], target: str, checks: Checks = Checks()) -> list[RankResult]:
+        """Run one scenario on every rank, with ``checks``; one result per rank, always, within
+        the timeout. A rank that raised, died or hung comes back as a result holding a
+        ``rank_error``."""
         if not self._healthy:
             if self.started:
                 self.close()
@@ -167,9 +163,8 @@ class World:
         self._seq += 1
         seq = self._seq
         for conn in self._conns:
-            conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq, trace_calls=trace,
-                                       inplace=inplace, outputs=outputs, reference=reference,
-                                       explain=explain))
+            conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq,
+                                   checks=checks.to_wire()))
         results: dict[int, RankResult] = {}
         deadline = time.perf_counter() + self.timeout + 10.0  # ranks time out first, by themselves
         while len(results) < self.nproc:

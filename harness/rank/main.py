@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal before anything else
-    from shardcheck.harness.wire import RankResult
+    from shardcheck.harness.wire import Checks, RankResult
 
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
@@ -70,7 +70,9 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         if name == wire.STOP:
             break
         if name == wire.RUN:
-            conn.send(wire.message(wire.RESULT, **runner.run(**kwargs).to_wire()))
+            checks = wire.Checks.from_wire(kwargs["checks"])
+            result = runner.run(kwargs["scenario"], kwargs["target"], kwargs["seq"], checks)
+            conn.send(wire.message(wire.RESULT, **result.to_wire()))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001  (best effort on the way out)
@@ -164,15 +166,10 @@ class RankRunner:
         trace.reset()
         groups.reset()
 
-    def run(self, scenario: dict[str, Any], target: str, seq: int, trace_calls: bool = False,
-            inplace: bool = True, outputs: bool = False, reference: bool = True, explain: bool = False
-            ) -> RankResult:
-        """One scenario on this rank. ``inplace``: check that the target leaves its inputs (and
-        the gradients fed to its outputs) unchanged; ``explain``: also find the call site of the
-        first in-place write (a dispatch mode on every op: run only to explain a change already
-        found); ``outputs``: send back the target's own
-        outputs and logit gradient, bit for bit (the invariance check compares them);
-        ``reference``: compare values and gradient with the float64 reference."""
+    def run(self, scenario: dict[str, Any], target: str, seq: int, checks: Checks | None = None) -> RankResult:
+        """One scenario on this rank, with ``checks`` (the wire's Checks; the default ones
+        when None). The explain check is a dispatch mode on every op: it is run only to explain
+        a change already found."""
         from shardcheck.harness import wire
         from shardcheck.harness.rank import trace
         from shardcheck.harness.rank.lockstep import CollectiveMismatch, LockstepTimeout, PeerStopped
@@ -189,7 +186,7 @@ class RankRunner:
         failures, described, notes, produced = found, {}, [], None
         raised = False
         try:
-            described, produced = self._run(scenario, target, found, errors, inplace, outputs, reference, explain)
+            described, produced = self._run(scenario, target, found, errors, checks or wire.Checks())
             if lockstep is not None:
                 lockstep.finish()
         except CollectiveMismatch as exc:
@@ -229,7 +226,7 @@ class RankRunner:
             self.rank, seq, failures, errors, time.perf_counter() - t0, described, notes, desync,
             calls=len(calls.calls) if calls is not None else 0,
             # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
-            trace=_trace_payload(calls, trace_calls, bool(failures or notes)),
+            trace=_trace_payload(calls, (checks or wire.Checks()).trace_calls, bool(failures or notes)),
             # the target's outputs as raw data (only when asked for, and only when it ran through)
             outputs=produced,
         )
@@ -241,8 +238,8 @@ class RankRunner:
             except Exception:  # noqa: BLE001  (the store is gone: peers will time out, bounded)
                 pass
 
-    def _run(self, scenario_dict: dict[str, Any], spec: str, found: list, errors: dict, inplace: bool,
-             want_outputs: bool, reference: bool, explain: bool) -> tuple[dict, dict | None]:
+    def _run(self, scenario_dict: dict[str, Any], spec: str, found: list, errors: dict, checks: Checks
+             ) -> tuple[dict, dict | None]:
         """The scenario's steps; findings go into ``found`` and ``errors`` as they are made, so a
         step that raises (the backward) does not hide what the earlier ones found."""
         import contextlib
@@ -259,6 +256,7 @@ class RankRunner:
         from shardcheck.scenarios.data import ScenarioData
         from shardcheck.targets import RankInputs, loss_form
 
+        inplace, reference, explain = checks.inplace, checks.reference, checks.explain
         sc = Scenario.from_dict(scenario_dict)
         target = self.target(spec)
         groups.configure(sc.tp, sc.cp)
@@ -318,5 +316,5 @@ class RankRunner:
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         if reference:
             _add(found, errors, compare_grad(layout, data, grad, self.rank, ref_device))
-        produced = rank_outputs(layout, outputs.log_probs, entropy, grad) if want_outputs else None
+        produced = rank_outputs(layout, outputs.log_probs, entropy, grad) if checks.outputs else None
         return target.describe(), produced
