@@ -1,14 +1,17 @@
 """``shardcheck`` command line: run, invariance, fuzz, bisect, suites, targets.
 
 Exit status: 0 every scenario passed (or was skipped), 1 some scenario failed, 2 bad input or
-configuration (one line on stderr naming the problem), 130 interrupted.
+configuration (one line on stderr naming the problem), 5 nothing was checked (every scenario was
+skipped; ``--allow-all-skipped`` makes that 0), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
+import threading
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +20,16 @@ from shardcheck.errors import BadInput, ShardcheckError
 from shardcheck.harness.backend import BACKENDS
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_NOTHING_CHECKED = 5  # as pytest's "no tests collected": a green that checked nothing is not green
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be: the same clean-up, results kept, the table printed."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--trace", action="store_true",
                    help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
+    r.add_argument("--allow-all-skipped", action="store_true",
+                   help="exit 0, not 5, when every scenario was skipped (nothing was checked)")
     v = sub.add_parser("invariance", help="check that each sample's outputs keep their bits however it is laid out")
     _world_options(v)
     _scenario_options(v)
@@ -53,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bad", required=True, metavar="REV", help="the newer commit")
     b.add_argument("--suite", default="regressions", help="the suite to run at each commit (default: regressions)")
     b.add_argument("--scenario", action="append", default=[], metavar="NAME", help="only these scenarios")
-    b.add_argument("--timeout", type=float, default=60.0, help="seconds a scenario may take (default: 60)")
+    _world_options(b, timeout_only=True)
     f = sub.add_parser("fuzz", help="search for a failing scenario with hypothesis, shrink it, write it")
     _world_options(f)
     f.add_argument("--max-examples", type=int, default=100, metavar="N",
@@ -78,11 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _world_options(p: argparse.ArgumentParser) -> None:
-    """The options of every command that checks a target on a world it starts (run, fuzz)."""
-    p.add_argument("--target", default="builtin", help="NAME, NAME:VARIANT or module:callable (default: builtin)")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds a scenario may take before its ranks are declared hung (default: 60)")
+def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False) -> None:
+    """The options of every command that checks a target on a world it starts (run, invariance,
+    fuzz); ``timeout_only``: just --timeout (bisect, whose own options name the target)."""
+    from shardcheck.harness.controller.limits import MAX_TIMEOUT_S, timeout_seconds
+
+    if not timeout_only:
+        p.add_argument("--target", default="builtin",
+                       help="NAME, NAME:VARIANT or module:callable (default: builtin)")
+    p.add_argument("--timeout", type=timeout_seconds, default=60.0,
+                   help="seconds a scenario may take before its ranks are declared hung (default: 60, "
+                        f"at most {MAX_TIMEOUT_S:.0f}: a week)")
+    if timeout_only:
+        return
+    p.add_argument("--allow-large-world", action="store_true",
+                   help="start the world even past this machine's bounds: more ranks than 8 a core or than "
+                        "its memory holds, or a scenario whose estimated memory does not fit")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="torch.distributed backend: nccl (one GPU per rank), gloo (CPU), or auto: nccl when "
                         "every rank gets a GPU, else gloo (default: auto)")
@@ -120,6 +146,16 @@ def _name_list(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    own_handler = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if own_handler else None
+    try:
+        return _main(argv)
+    finally:
+        if own_handler:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args, extra = build_parser().parse_known_args(argv)
         if extra:  # argparse would blame the top-level parser; name the command's help
@@ -145,10 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardcheckError as exc:
         print(f"shardcheck: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("shardcheck: interrupted (results so far are in the JSON report, if one was asked for)",
+    except KeyboardInterrupt as exc:
+        how = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        print(f"shardcheck: {how} (results so far are in the JSON report, if one was asked for)",
               file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
 
 
 def _select(args: argparse.Namespace) -> list:
@@ -167,11 +204,22 @@ def _select(args: argparse.Namespace) -> list:
     return scenarios
 
 
-def _check_world_options(args: argparse.Namespace) -> None:
+def _check_world_options(args: argparse.Namespace, scenarios: list | None = None,
+                         axes: list[str] | None = None) -> None:
+    """The world's options, before anything is loaded; given the scenarios (run, or invariance
+    along ``axes``), that the world they need fits this machine (see harness/controller/limits)."""
+    from shardcheck.harness.controller import limits
+
+    if scenarios is not None:
+        if axes is None:
+            limits.check_run(scenarios, args.nproc, allow_large_world=args.allow_large_world)
+        else:
+            limits.check_invariance(scenarios, axes, args.nproc, allow_large_world=args.allow_large_world)
+        return
     if args.nproc is not None and args.nproc < 1:
         raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
-    if not args.timeout > 0:
-        raise BadInput(f"--timeout must be > 0, got {args.timeout}")
+    limits.check_timeout(args.timeout)
+    limits.check_nproc(args.nproc, allow_large_world=args.allow_large_world)
 
 
 def _json_report(args: argparse.Namespace, kind: Any) -> Any:
@@ -191,10 +239,15 @@ def _run(args: argparse.Namespace) -> int:
     _check_world_options(args)
     _use_slime_src(args)
     scenarios = _select(args)
+    _check_world_options(args, scenarios)
     json_report = _json_report(args, JsonReport)
     result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
                         nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
                         trace=args.trace, backend=args.backend)
+    if result.verdicts and all(v.status == "skip" for v in result.verdicts) and not args.allow_all_skipped:
+        print(f"shardcheck: nothing was checked: all {len(result.verdicts)} scenarios were skipped "
+              "(--allow-all-skipped to exit 0)", file=sys.stderr)
+        return EXIT_NOTHING_CHECKED
     return result.exit_code
 
 
@@ -207,6 +260,7 @@ def _invariance(args: argparse.Namespace) -> int:
     expect = parse_expect(args.expect)
     _use_slime_src(args)
     scenarios = _select(args)
+    _check_world_options(args, scenarios, axes)
     report = _json_report(args, InvarianceJson)
     progress = InvarianceProgress(quiet=args.quiet)
     try:
@@ -241,6 +295,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller.fuzz_report import Progress, header, replay_command, summary
     from shardcheck.scenarios import write_scenario_file
 
+    _check_world_options(args)
     _use_slime_src(args)
     out = args.out or fuzz.DEFAULT_OUT
     progress = Progress(quiet=args.quiet)
@@ -257,11 +312,12 @@ def _fuzz(args: argparse.Namespace) -> int:
             nproc=args.nproc, max_shrinks=args.max_shrinks, timeout=args.timeout,
             lockstep=not args.no_lockstep, backend=args.backend, progress=progress, on_start=on_start,
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         progress.close()
         found = "; a failure was seen but not shrunk, nothing written" if progress.failed else ""
-        print(f"shardcheck: interrupted after {progress.runs} scenarios{found}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        how = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        print(f"shardcheck: {how} after {progress.runs} scenarios{found}", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     progress.close()
     minimal = result.minimal_scenario()
     written = replay = None

@@ -356,3 +356,114 @@ class PrintsAnEnvironmentVariable(BuiltinTarget):
     def compute(self, inputs: RankInputs) -> RankOutputs:
         print("probe:", os.environ.get("SHARDCHECK_TEST_PROBE"), flush=True)
         return super().compute(inputs)
+
+
+class ReturnsNone(BuiltinTarget):
+    """compute returns None"""
+
+    name = "plants:ReturnsNone"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        super().compute(inputs)
+        return None  # type: ignore[return-value]
+
+
+class HalfOutputs(BuiltinTarget):
+    """builtin, with its log-probs cast to float16"""
+
+    name = "plants:HalfOutputs"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        out.log_probs = [lp.half() for lp in out.log_probs]
+        return out
+
+
+class DetachedOutputs(BuiltinTarget):
+    """builtin, with its entropy detached from the graph"""
+
+    name = "plants:DetachedOutputs"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        out.entropy = [e.detach() if e is not None else None for e in out.entropy]
+        return out
+
+
+class MetaOutputs(BuiltinTarget):
+    """builtin, with its log-probs on the meta device (another device than the logits')"""
+
+    name = "plants:MetaOutputs"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        out.log_probs = [lp.to("meta") for lp in out.log_probs]
+        return out
+
+
+class LongOutputs(BuiltinTarget):
+    """builtin, with its log-probs cast to int64"""
+
+    name = "plants:LongOutputs"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        out.log_probs = [lp.long() for lp in out.log_probs]
+        return out
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+class SpinsOnRankOne(BuiltinTarget):
+    """builtin, except that rank 1 never returns from compute (a busy loop, not a collective)"""
+
+    name = "plants:SpinsOnRankOne"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        if _global_rank() == 1:
+            while True:
+                pass
+        return super().compute(inputs)
+
+
+class RankOneDiesWhileRankZeroWorks(BuiltinTarget):
+    """rank 1 exits at once; rank 0 works for 3 s before its first collective"""
+
+    name = "plants:RankOneDiesWhileRankZeroWorks"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import time
+
+        if _global_rank() == 1:
+            os._exit(3)
+        time.sleep(3.0)
+        return super().compute(inputs)
+
+
+class RankOneDiesRankZeroSpins(BuiltinTarget):
+    """rank 1 exits at once; rank 0 never returns from compute"""
+
+    name = "plants:RankOneDiesRankZeroSpins"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        if _global_rank() == 1:
+            os._exit(3)
+        while True:
+            pass
+
+
+class RankOneSleeps(BuiltinTarget):
+    """rank 1 sleeps 30 s in compute (to be killed meanwhile)"""
+
+    name = "plants:RankOneSleeps"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import time
+
+        if _global_rank() == 1:
+            time.sleep(30.0)
+        return super().compute(inputs)

@@ -46,16 +46,20 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
-    report = tmp_path / "r.json"
-    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    report, temp = tmp_path / "r.json", tmp_path / "tmp"
+    temp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(TESTS), TMPDIR=str(temp))
+    out, err = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "--suite", "smoke", "-q",
-                             "--json-report", str(report)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                             "--json-report", str(report)], env=env, stdout=out, stderr=err)
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
-            if report.exists() and len(json.loads(report.read_text()).get("scenarios", [])) >= 3:
-                break
+            try:  # read while it is written: a partial read is retried
+                if report.exists() and len(json.loads(report.read_text()).get("scenarios", [])) >= 3:
+                    break
+            except json.JSONDecodeError:
+                pass
             time.sleep(0.2)
         else:
             pytest.fail("no results within 180 s")
@@ -70,6 +74,12 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
         doc = json.loads(report.read_text())
         assert len(doc["scenarios"]) >= 3 and doc["complete"] is False
         assert all(v["verdict"] == "pass" for v in doc["scenarios"])
+        if sig == signal.SIGTERM:  # handled as Ctrl-C is: the table, its own status, nothing left behind
+            stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+            assert proc.returncode == 143 and "shardcheck: terminated" in stderr, (proc.returncode, stderr)
+            assert "scenarios:" in stdout and "passed" in stdout, stdout
+            left = [e for e in os.listdir(temp) if not e.startswith("torchinductor_")]  # torch's cache: kept
+            assert left == [], left
     finally:
         if proc.poll() is None:
             proc.kill()

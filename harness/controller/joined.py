@@ -56,6 +56,11 @@ class JoinedWorld:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def ensure_ready(self) -> None:
+        """Join on first need (a joined world cannot be restarted)."""
+        if self._runner is None:
+            self.start()
+
     def start(self) -> None:
         import torch.distributed as dist
 

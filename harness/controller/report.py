@@ -1,9 +1,11 @@
 """Two renderings of the same verdicts: a terminal (live progress line, summary table) and a
-JSON report rewritten atomically after every verdict, so a run that is killed keeps what it found.
+JSON report updated after every verdict and valid at every moment, so a run that is killed keeps
+what it found.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import os
@@ -23,6 +25,27 @@ def _counts(verdicts: list[Verdict]) -> dict[str, int]:
 
 
 class JsonReport:
+    """The JSON report, a valid document on disk at every moment (a run that is killed keeps
+    what it found), its scenarios in suite order all along, not in the order they ran (grouped
+    by tp, cp).
+
+    The file is the document with ``scenarios`` first and every other key (the summary,
+    ``complete``, the run info) in a small tail after the list. Each verdict is serialized once;
+    a new one is written, in one write, from its place in suite order to the end of the file:
+    for a verdict that belongs last, only itself and the tail, so such an update costs no more
+    as the report grows. Entries and tail only grow; were an update ever shorter than what it
+    overwrites, the bytes left over are blanked (whitespace after the document is still JSON).
+
+    A write in place is atomic only while it is short: a process killed in the middle of a long
+    one would leave part of it. An update that would move more than ``_IN_PLACE_MAX`` bytes of
+    entries (a verdict placed before many others), start() and finish() replace the whole file
+    instead, atomically (see :meth:`_replace`).
+    """
+
+    _HEAD = b'{\n "scenarios": ['
+    _SEP = b",\n  "  # before every entry; the first one in the file is written without the comma
+    _IN_PLACE_MAX = 64 * 1024  # bytes of entries after its place an update may move in place
+
     def __init__(self, path: str, meta: dict[str, Any] | None = None) -> None:
         self.path = path
         self.verdicts: list[Verdict] = []
@@ -33,34 +56,164 @@ class JsonReport:
             "complete": False,
             **(meta or {}),
         }
-        self._write()  # fail early (unwritable path) and leave a file even if nothing finishes
+        self.doc["summary"] = {PASS: 0, FAIL: 0, SKIP: 0, "total": 0}  # _counts(self.verdicts), kept up
+        # the entries in the file, in suite order: each one's place in the suite and its bytes
+        self._places: list[int] = []
+        self._pieces: list[bytes] = []
+        self._end = len(self._HEAD)  # where the last entry ends
+        self._size = 0  # of the file
+        self._fd: int | None = None  # the report
+        self._spare: int | None = None  # its previous version, beside it (see _replace)
+        self._rewrite()  # fail early (unwritable path) and leave a file even if nothing finishes
 
     def start(self, info: RunInfo, scenarios: list[Scenario]) -> None:
         self.doc.update(info.to_dict())
         self.doc["planned"] = len(scenarios)
         self.order = suite_order(scenarios)
-        self._write()
+        self._rank()
+        self._rewrite()
 
     def add(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)
-        self._write()
+        summary = self.doc["summary"]
+        if verdict.status in (PASS, FAIL, SKIP):
+            summary[verdict.status] += 1
+        summary["total"] += 1
+        place = self.order_of(verdict)
+        at = bisect.bisect_right(self._places, place)  # after those of its place that came before it
+        self._places.insert(at, place)
+        self._pieces.insert(at, self._SEP + _entry(verdict))
+        after = self._pieces[at + 1:]
+        moved = sum(map(len, after))
+        if moved > self._IN_PLACE_MAX:
+            self._rewrite()
+            return
+        # where its place begins in the file: at the end, or where the entry it goes before began
+        start = len(self._HEAD) if at == 0 else self._end - moved
+        entries = b"".join([self._pieces[at][1:] if at == 0 else self._pieces[at], *after])
+        self._end = start + len(entries)
+        data = entries + self._tail()
+        if start + len(data) < self._size:  # shorter than before: blank the rest
+            data += b" " * (self._size - start - len(data))
+        if self._fd is None:  # an update after finish(): into the report as it is now
+            self._fd = os.open(self.path, os.O_WRONLY)
+        # one short write: a process killed between two updates leaves a valid file
+        _write_all(self._fd, [data], start)
+        self._size = max(self._size, start + len(data))
 
     def finish(self, info: RunInfo) -> None:
         self.doc.update(info.to_dict())
         self.doc["complete"] = len(self.verdicts) == self.doc.get("planned", len(self.verdicts))
-        self._write()
+        self._rank(reserialize=True)  # every verdict as it is now, not as it came (once a run)
+        self._rewrite()
+        self._close()
+        try:
+            os.unlink(f"{self.path}.tmp")
+        except OSError:
+            pass
 
     def order_of(self, v: Verdict) -> int:
         return self.order.get(id(v.scenario), len(self.order))
 
-    def _write(self) -> None:
-        self.doc["summary"] = _counts(self.verdicts)
-        # in suite order all along, not in the order they ran (grouped by tp, cp)
-        self.doc["scenarios"] = [v.to_dict() for v in sorted(self.verdicts, key=self.order_of)]
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.doc, f, indent=1, default=str)
-        os.replace(tmp, self.path)
+    def _tail(self) -> bytes:
+        """The list's end and every key but the scenarios: what every update rewrites."""
+        parts = [b"\n ]" if self._pieces else b"]"]
+        for key, value in self.doc.items():
+            parts += [f",\n {json.dumps(key)}: ".encode(), _json(value, 1)]
+        parts.append(b"\n}")
+        return b"".join(parts)
+
+    def _rank(self, reserialize: bool = False) -> None:
+        """The entries in suite order, serialized anew when that order changed (start() after
+        add()) or when asked."""
+        ranked = sorted(self.verdicts, key=self.order_of)  # stable: in the order they came, per place
+        places = [self.order_of(v) for v in ranked]
+        if reserialize or places != self._places:
+            self._pieces = [self._SEP + _entry(v) for v in ranked]
+        self._places = places
+
+    def _rewrite(self) -> None:
+        """The whole file from the entries, atomically."""
+        parts = [self._HEAD, *self._pieces, self._tail()]
+        if self._pieces:
+            parts[1] = parts[1][1:]  # the first entry without its comma
+        size = sum(map(len, parts))
+        self._replace(parts, size)
+        self._end = size - len(parts[-1])
+        self._size = size
+
+    def _replace(self, parts: list[bytes], size: int) -> None:
+        """``parts`` (``size`` bytes) as the whole report, atomically: written into a spare file
+        beside it (``PATH.tmp``, removed by finish()), which then takes the report's name. The
+        report's previous version is kept as the next spare, through a second link made before
+        the rename, so that the next replacement overwrites its pages instead of freeing them and
+        allocating new ones (at a few MB, most of the cost); without hard links it is let go."""
+        spare, old_name = f"{self.path}.tmp", f"{self.path}.old"
+        if self._spare is None:
+            self._spare = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        _write_all(self._spare, parts, 0)
+        os.ftruncate(self._spare, size)
+        previous, kept = self._fd, False
+        if previous is not None:
+            try:
+                if os.path.lexists(old_name):  # left by a process killed here
+                    os.unlink(old_name)
+                os.link(self.path, old_name)
+                kept = True
+            except OSError:
+                pass
+        os.replace(spare, self.path)
+        if kept:
+            os.replace(old_name, spare)
+        self._fd, self._spare = self._spare, previous if kept else None
+        if previous is not None and not kept:
+            os.close(previous)
+
+    def _close(self) -> None:
+        for fd in (self._fd, self._spare):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._spare = None
+
+    def __del__(self) -> None:
+        if hasattr(self, "_spare"):
+            self._close()
+
+
+def _json(value: Any, depth: int) -> bytes:
+    """``value`` as ``json.dump(..., indent=1)`` writes it ``depth`` levels down a document."""
+    return json.dumps(value, indent=1, default=str).replace("\n", "\n" + " " * depth).encode()
+
+
+def _entry(verdict: Verdict) -> bytes:
+    """A verdict's entry in the report's scenario list."""
+    return _json(verdict.to_dict(), 2)
+
+
+def _write_all(fd: int, parts: list[bytes], offset: int) -> None:
+    """``parts``, one after the other, at ``offset``: gathered, not joined, into as few writes
+    as the system takes (one for a part alone; a regular file takes a write whole, but should
+    the count come back short, as when the disk fills up, the rest follows)."""
+    if not hasattr(os, "pwritev"):
+        parts = [b"".join(parts)]
+    for i in range(0, len(parts), _IOV_MAX):
+        chunk = parts[i:i + _IOV_MAX]
+        total = sum(map(len, chunk))
+        done = os.pwritev(fd, chunk, offset) if len(chunk) > 1 else os.pwrite(fd, chunk[0], offset)
+        if done < total:
+            rest = memoryview(b"".join(chunk))
+            while done < total:
+                done += os.pwrite(fd, rest[done:], offset + done)
+        offset += total
+
+
+try:
+    _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers one pwritev takes
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 16
 
 
 class TerminalReport:
@@ -92,6 +245,15 @@ class TerminalReport:
                 f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {verdict.scenario.name}")
         show_progress(self.err, line, self.live)
 
+    def world_starting(self, what: str, seconds: float) -> None:
+        """While the world (re)starts: a live line with the time so far, or one line a start."""
+        if self.quiet:
+            return
+        if self.live:
+            show_progress(self.err, f"{what} ... {seconds:.0f}s", True)
+        elif seconds == 0.0:  # the start itself, once
+            print(f"shardcheck: {what} ...", file=self.err, flush=True)
+
     def finish(self, info: RunInfo) -> None:
         if self.live and not self.quiet:
             print(file=self.err)
@@ -122,6 +284,8 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
             lines.append(render_failure(v))
     c = _counts(verdicts)
     start = info.startup_seconds
+    if info.world_events:
+        lines += ["", "the world, between scenarios:"] + [f"  {e}" for e in info.world_events]
     printed = info.rank_output
     if printed:
         lines += ["", f"the ranks printed (each distinct line once, {len(printed)} in all):"]
@@ -229,6 +393,11 @@ class Reporters:
     def add(self, verdict: Verdict) -> None:
         for r in self.reporters:
             r.add(verdict)
+
+    def world_starting(self, what: str, seconds: float) -> None:
+        for r in self.reporters:
+            if hasattr(r, "world_starting"):
+                r.world_starting(what, seconds)
 
     def finish(self, info: RunInfo) -> None:
         for r in self.reporters:

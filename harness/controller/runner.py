@@ -131,11 +131,14 @@ def run(
     own_world = world is None and bool(runnable)
     if own_world:
         world = World(size, timeout=timeout, lockstep=lockstep, backend=backend)
+    events_before = len(getattr(world, "events", []))
+    if world is not None and hasattr(world, "progress"):
+        world.progress = getattr(reporter, "world_starting", None)
     try:
-        if own_world:
-            world.start()  # start-up is reported on its own, not charged to the first scenario
         # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
         for i, sc in sorted(runnable, key=lambda p: (p[1].tp, p[1].cp)):
+            # a (re)start is reported on its own (startup_seconds), not charged to the scenario
+            world.ensure_ready()
             started = time.perf_counter()
             results = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace))
             verdict = merge(sc, results, time.perf_counter() - started)
@@ -152,6 +155,9 @@ def run(
     finally:
         if world is not None:
             info.startup_seconds = [round(s, 3) for s in world.startup_seconds]
+            info.world_events = list(getattr(world, "events", [])[events_before:])
+            if hasattr(world, "progress"):
+                world.progress = None
             if hasattr(world, "rank_output"):
                 info.rank_output = [{"line": line, "ranks": ranks} for line, ranks in world.rank_output()]
         if own_world:

@@ -78,6 +78,7 @@ class RunInfo:
     startup_seconds: list[float] = _field(default_factory=list)  # one entry per world (re)start
     wall_seconds: float = 0.0
     rank_output: list[dict[str, Any]] = _field(default_factory=list)  # {"line", "ranks"}, each line once
+    world_events: list[str] = _field(default_factory=list)  # outside any scenario: a rank that died idle
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

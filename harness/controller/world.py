@@ -19,14 +19,15 @@ import signal
 import tempfile
 import time
 from multiprocessing.connection import wait
+from collections.abc import Callable
 from typing import Any
 
 from shardcheck.errors import WorldError
 from shardcheck.harness import wire
+from shardcheck.harness.controller import memory
 from shardcheck.harness.rank.main import rank_main
-from shardcheck.harness.wire import Checks, RankResult
+from shardcheck.harness.wire import Checks, Failure, RankResult
 
-DEATH_GRACE_S = 3.0  # after a rank dies, how long its peers get to report before they are ended
 
 
 class World:
@@ -50,6 +51,12 @@ class World:
         self._seq = 0
         self._output: dict[str, set[int]] = {}
         self._output_read: dict[tuple[int, int], int] = {}
+        self._rss: dict[int, int] = {}  # each rank's resident size when last seen
+        self._oom_kills: int | None = None
+        # what happened to the world outside any scenario (a rank that died while idle), in words
+        self.events: list[str] = []
+        # told ("starting 4 ranks", seconds so far) about once a second while the world starts
+        self.progress: Callable[[str, float], None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> World:
@@ -68,6 +75,7 @@ class World:
 
         t0 = time.perf_counter()
         self.generation += 1
+        self._say_starting(None)
         self._dir = tempfile.TemporaryDirectory(prefix="shardcheck-world-")
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.start_timeout))
@@ -84,6 +92,7 @@ class World:
                 "lockstep": self.lockstep,
                 "backend": self.backend,
                 "environment": env,
+                "controller_pid": os.getpid(),
             }
             p = ctx.Process(target=rank_main, args=(rank, self.nproc, self._store.port, child, options),
                             name=f"shardcheck-rank{rank}", daemon=True)
@@ -91,6 +100,8 @@ class World:
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
+        self._oom_kills = memory.oom_kills()
+        self._rss = {}
         try:
             self._await_ready(t0 + self.start_timeout)
         except BaseException:
@@ -99,14 +110,21 @@ class World:
         self._healthy = True
         self.startup_seconds.append(time.perf_counter() - t0)
 
+    def _say_starting(self, t0: float | None) -> None:
+        """Tell ``progress``: 0.0 s exactly when a start begins, the time so far after that."""
+        if self.progress is not None:
+            what = "restarting" if self.generation > 1 else "starting"
+            self.progress(f"{what} {self.nproc} ranks", 0.0 if t0 is None else time.perf_counter() - t0)
+
     def _await_ready(self, deadline: float) -> None:
         waiting = set(range(self.nproc))
         while waiting:
             left = deadline - time.perf_counter()
             if left <= 0:
                 raise WorldError(f"ranks {sorted(waiting)} did not join the world within {self.start_timeout:.0f}s")
+            self._say_starting(deadline - self.start_timeout)
             ready = wait([self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
-                         timeout=left)
+                         timeout=min(left, 1.0))
             for r in list(waiting):
                 if self._conns[r] in ready:
                     try:
@@ -152,29 +170,52 @@ class World:
         self.start()
 
     # -- work -------------------------------------------------------------------------------
-    def run(self, scenario: dict[str, Any], target: str, checks: Checks = Checks()) -> list[RankResult]:
-        """Run one scenario on every rank, with ``checks``; one result per rank, always, within
-        the timeout. A rank that raised, died or hung comes back as a result holding a
-        ``rank_error``."""
+    def ensure_ready(self) -> None:
+        """Start the world, or restart it when the last scenario left it unusable or a rank died
+        while it was idle (named in ``events``); a no-op for a healthy world."""
+        for r, p in enumerate(self._procs if self._healthy else []):
+            if not p.is_alive():
+                p.join(timeout=1.0)
+                self.events.append(f"rank {r} died between scenarios ({self._death_text(r)}); the world restarted")
+                self._healthy = False
         if not self._healthy:
             if self.started:
                 self.close()
             self.start()
+
+    def run(self, scenario: dict[str, Any], target: str, checks: Checks = Checks()) -> list[RankResult]:
+        """Run one scenario on every rank, with ``checks``; one result per rank, always, within
+        the timeout. A rank that raised, died or hung comes back as a result holding a
+        ``rank_error``."""
+        self.ensure_ready()
         self._seq += 1
         seq = self._seq
-        for conn in self._conns:
-            conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq,
-                                   checks=checks.to_wire()))
+        if not self._send_run(seq, scenario, target, checks):
+            # a rank died after ensure_ready looked, before it got the scenario: nobody has run it
+            self._healthy = False
+            self.ensure_ready()
+            self._send_run(seq, scenario, target, checks)
         results: dict[int, RankResult] = {}
-        deadline = time.perf_counter() + self.timeout + 10.0  # ranks time out first, by themselves
+        died: list[int] = []
+        limit = self.timeout + min(10.0, max(2.0, self.timeout))  # ranks time out first, by themselves
+        deadline = time.perf_counter() + limit
         while len(results) < self.nproc:
             pending = [r for r in range(self.nproc) if r not in results]
             left = deadline - time.perf_counter()
             if left <= 0:
-                self._end_hung(pending, results, f"no result within {self.timeout + 10.0:.0f}s")
+                if died:
+                    why = f"stopped after rank {died[0]} died: no result within {limit:.0f}s"
+                else:
+                    why = f"hung: no result within {limit:.0f}s"
+                self._end_hung(pending, results, why)
+                break
+            waited = self._waited_for(pending, results)
+            if waited is not None:  # every other rank gave up waiting for these: no need to wait on
+                self._end_stragglers(pending, results, waited)
                 break
             ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
-                         timeout=left)
+                         timeout=min(left, 1.0))
+            self._sample_memory(pending)
             for r in pending:
                 dead = self._procs[r].sentinel in ready
                 if self._conns[r] in ready:
@@ -186,13 +227,72 @@ class World:
                         dead = True
                 if dead and r not in results:
                     self._procs[r].join(timeout=1.0)
-                    why = f"rank {r} died ({_exit_text(self._procs[r].exitcode)})"
+                    why = f"rank {r} died ({self._death_text(r)})"
                     results[r] = RankResult.error(r, why, desync=True)
+                    died.append(r)
                     self._say_died(seq, r, why)
-                    deadline = min(deadline, time.perf_counter() + DEATH_GRACE_S)
         if any(res.desync for res in results.values()):
             self._healthy = False  # the backend's groups may be out of step: restart before the next one
         return [results[r] for r in range(self.nproc)]
+
+    def _send_run(self, seq: int, scenario: dict[str, Any], target: str, checks: Checks) -> bool:
+        for r, conn in enumerate(self._conns):
+            try:
+                conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq,
+                                       checks=checks.to_wire()))
+            except OSError:  # BrokenPipe: the rank is gone
+                self._procs[r].join(timeout=1.0)
+                self.events.append(f"rank {r} died between scenarios ({self._death_text(r)}); the world restarted")
+                return False
+        return True
+
+    def _waited_for(self, pending: list[int], results: dict[int, RankResult]) -> list[Failure] | None:
+        """The answered ranks' reports of waiting in vain, when every answered rank stopped so
+        and only ``pending`` ranks are left (they are then the ones that did not come)."""
+        if not pending or not results:
+            return None
+        waits = [f for res in results.values() for f in res.failures if "waited_for" in f.details]
+        answered_waiting = {f.ranks[0] for f in waits if f.ranks}
+        return waits if answered_waiting == set(results) else None
+
+    def _end_stragglers(self, pending: list[int], results: dict[int, RankResult], waits: list[Failure]) -> None:
+        stacks = self._stacks(pending)
+        self._kill(pending)
+        began = min(f.details.get("at", time.time()) for f in waits) - self.timeout
+        peers = sorted({r for f in waits for r in f.ranks})
+        for r in pending:
+            where = stacks.get(r) or "no stack available"
+            # "at": when its peers began to wait for it, so this, the cause, heads the verdict
+            results[r] = RankResult.error(
+                r, f"rank {r} hung: it did not arrive where ranks {peers} {waits[0].details['waited_for']}; "
+                   f"rank {r} was at {where}", desync=True, details={"stack": stacks.get(r, ""), "at": began})
+        self._healthy = False
+        self.close()
+
+    def _kill(self, ranks: list[int]) -> None:
+        """End ranks that will not answer a polite stop (busy, or stuck in a collective)."""
+        for r in ranks:
+            if self._procs[r].is_alive():
+                self._procs[r].kill()
+
+    def _sample_memory(self, ranks: list[int]) -> None:
+        for r in ranks:
+            rss = memory.rss_bytes(self._procs[r].pid)
+            if rss is not None:
+                self._rss[r] = rss
+
+    def _death_text(self, rank: int) -> str:
+        """How a rank ended, with what points at the out-of-memory killer when it was SIGKILL."""
+        code = self._procs[rank].exitcode
+        text = _exit_text(code)
+        if code == -signal.SIGKILL:
+            kills = memory.oom_kills()
+            if kills is not None and self._oom_kills is not None and kills > self._oom_kills:
+                text += ", by the out-of-memory killer"
+                self._oom_kills = kills
+            if rank in self._rss:
+                text += f"; it held {memory.size_text(self._rss[rank])} when last seen"
+        return text
 
     def _say_died(self, seq: int, rank: int, why: str) -> None:
         """Tell the dead rank's peers (waiting in lockstep) at once, instead of by timeout."""
@@ -222,9 +322,10 @@ class World:
 
     def _end_hung(self, pending: list[int], results: dict[int, Any], why: str) -> None:
         stacks = self._stacks(pending)
+        self._kill(pending)
         for r in pending:
             where = stacks.get(r) or "no stack available"
-            results[r] = RankResult.error(r, f"rank {r} hung: {why}; it was at {where}", desync=True,
+            results[r] = RankResult.error(r, f"rank {r} {why}; it was at {where}", desync=True,
                                           details={"stack": stacks.get(r, "")})
         self._healthy = False
         self.close()

@@ -14,6 +14,12 @@ and a rank that has waited one slice publishes what it waits for. A missing peer
 a mismatch (this rank issues a call the peer never does); one that stopped is the peer's own
 failure (:class:`PeerStopped`); ranks that wait for each other in a cycle (each blocked in a
 different group) are a mismatch too. All within a few slices of the divergent call.
+
+Every key a rank sets names that rank, and only peers in the same scenario read it. A rank
+deletes the keys it set when it begins the next scenario: the controller (or a joined world's
+exchange of results) starts that one only after every rank has returned its result for the one
+before, so nobody reads them any more. A long run thus holds at most one scenario's keys per rank
+in the store, however many scenarios it runs.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
 
 SLICE_S = 0.05  # how long a wait blocks before it looks at the peers' status
 LAST_MATCHED = 3
+DIGESTS_KEPT = 4096  # memoised fingerprint digests; a long run with ever new shapes starts over
 
 
 def agree_key(seq: int, group: str, number: int, digest: str, rank: int) -> str:
@@ -87,12 +94,30 @@ class Lockstep:
         self.counts: dict[str, int] = {}
         self.waiting: dict[str, Any] | None = None
         self._digests: dict[tuple, str] = {}
+        self._written: set[str] = set()  # the keys this rank set since it last deleted its own
 
     def begin(self, seq: int, scenario: str) -> None:
+        """Start scenario ``seq``. Every rank has returned its result for the scenarios before
+        it, so no peer reads the keys this rank set for them any more: they are deleted now."""
+        self._forget()
         self.seq, self.scenario = seq, scenario
         self.matched.clear()
         self.counts = {}
         self.waiting = None
+
+    def _set(self, key: str, value: str) -> None:
+        self._written.add(key)
+        self.store.set(key, value)
+
+    def _forget(self) -> None:
+        """Delete the keys this rank set. Best effort: a store that fails here fails again at
+        the scenario's first check, which reports it."""
+        written, self._written = self._written, set()
+        try:
+            for key in written:
+                self.store.delete_key(key)
+        except Exception:  # noqa: BLE001
+            pass
 
     # -- sentinels ----------------------------------------------------------------------------
     def finish(self) -> None:
@@ -102,7 +127,7 @@ class Lockstep:
         self._set_status({"state": "stopped", "reason": reason, "waiting": self.waiting})
 
     def _set_status(self, status: dict[str, Any]) -> None:
-        self.store.set(status_key(self.seq, self.rank), json.dumps(status))
+        self._set(status_key(self.seq, self.rank), json.dumps(status))
 
     # -- the check ---------------------------------------------------------------------------
     def check(self, call: Call) -> None:
@@ -114,10 +139,12 @@ class Lockstep:
         fp_key = call.fingerprint_key()
         digest = self._digests.get(fp_key)
         if digest is None:  # the same call site repeats thousands of times: hash it once
+            if len(self._digests) >= DIGESTS_KEPT:
+                self._digests.clear()
             digest = self._digests[fp_key] = hashlib.blake2b(repr(fp_key).encode(), digest_size=8).hexdigest()
         # Fast path, two round trips: announce my fingerprint's digest, then wait for every peer
         # to have announced the same one. Equal digests: the call goes on.
-        self.store.set(agree_key(self.seq, call.group, call.number, digest, self.rank), "")
+        self._set(agree_key(self.seq, call.group, call.number, digest, self.rank), "")
         agree = {p: agree_key(self.seq, call.group, call.number, digest, p) for p in peers}
         try:
             self.store.wait(list(agree.values()), self.slice)
@@ -130,7 +157,7 @@ class Lockstep:
 
     def _slow_path(self, call: Call, mine: str, agree: dict[int, str], t_call: float) -> None:
         """A peer is late or different: publish the whole fingerprint, then find out which."""
-        self.store.set(call_key(self.seq, call.group, call.number, self.rank), mine)
+        self._set(call_key(self.seq, call.group, call.number, self.rank), mine)
         plain = {p: call_key(self.seq, call.group, call.number, p) for p in agree}
         same: set[int] = set()
         published: list[int] | None = None

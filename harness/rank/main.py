@@ -18,6 +18,10 @@ if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal be
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
     """Process entry point (started by the controller: forked from its server, or spawned)."""
     _die_with_parent()
+    _let_the_fork_server_go()
+    controller = options.get("controller_pid")
+    if controller is not None and not _alive(controller):  # it died before the signal was armed
+        os._exit(1)
     if options.get("output_file"):  # the controller shows each distinct line once, not as it comes
         fd = os.open(options["output_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -64,6 +68,9 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
 
     while True:
         try:
+            while not conn.poll(1.0):  # idle: look for the controller now and then, not only at EOF
+                if controller is not None and not _alive(controller):
+                    raise EOFError
             name, kwargs = conn.recv()
         except (EOFError, OSError):  # the controller is gone
             break
@@ -125,6 +132,37 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _let_the_fork_server_go() -> None:
+    """A rank forked from the server inherits the controller's end of the pipe whose closing
+    tells the server to exit; while the rank holds it, the server, this rank's parent, outlives a
+    killed controller and the parent-death signal never comes. Let it go."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed controller its own parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)  # no /proc (not Linux): existence is all there is to know
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
 
 class RankRunner:
@@ -209,8 +247,13 @@ class RankRunner:
             err = wire.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
             what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
             # a raise names no rank: the same cause on several ranks is one failure listing them
-            msg = f"rank {self.rank} hung: {exc}" if isinstance(exc, LockstepTimeout) else what
-            failures = found + [Failure(RANK_ERROR, msg, [self.rank], details={"at": time.time(), **err})]
+            details = {"at": time.time(), **err}
+            if isinstance(exc, LockstepTimeout):  # this rank waited; the controller names who did not come
+                msg = f"rank {self.rank} stopped waiting: {exc}"
+                details["waited_for"] = str(exc)
+            else:
+                msg = what
+            failures = found + [Failure(RANK_ERROR, msg, [self.rank], details=details)]
             self._stop(what)
         finally:
             calls = trace.stop()
@@ -248,6 +291,7 @@ class RankRunner:
 
         from shardcheck.harness.rank import groups, shard
         from shardcheck.harness.rank.compare import compare_grad, compare_loss, compare_outputs
+        from shardcheck.harness.rank.form import compute_site, form_problems, not_outputs
         from shardcheck.harness.rank.inplace import InputGuard, guard_gradients, guard_inputs
         from shardcheck.harness.layout import rank_layout
         from shardcheck.harness.rank.loss import policy_gradients, share_gradients
@@ -292,6 +336,16 @@ class RankRunner:
         with guard.writes_watch(explain), anomaly:
             outputs = target.compute(inputs)
         found += guard.check("forward")
+        site = compute_site(target)
+        wrong = not_outputs(outputs, site, self.rank)
+        if wrong is not None:  # nothing to compare or differentiate
+            found.append(wrong)
+            return target.describe(), None
+        malformed = form_problems(outputs, inputs.logits, sc.with_entropy, sc.entropy_coef, form == "policy",
+                                  site, self.rank)
+        found += malformed
+        if any(f.details["malformed"] == "device" for f in malformed):  # its values cannot be read here
+            return target.describe(), None
         entropy = outputs.entropy if sc.with_entropy else None
         # the reference runs where the rank computes: on its GPU under nccl, in row chunks
         ref_device = self.device if getattr(self.device, "type", "cpu") == "cuda" else None

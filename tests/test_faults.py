@@ -1,0 +1,193 @@
+"""The fault matrix: each way a run used to go wrong (a false green, a crashed controller, an
+orphaned rank, the wrong rank blamed, a malformed output blamed on shardcheck), provoked, with
+what the report must say. Faults that leave the world usable share the session's world; the
+others get a world of their own (0.1 s to start: ranks fork from the server)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TESTS
+from shardcheck.harness.controller import memory, runner
+from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.world import World
+from shardcheck.scenarios import Sample, Scenario
+
+pytestmark = pytest.mark.world
+
+TP2 = Scenario("tp2", (Sample(7, 3), Sample(5, 2)), vocab=8, tp=2, seed=3, entropy_coef=0.1)
+SMALL = Scenario("small", (Sample(6, 2),), vocab=8, tp=2, seed=4)
+
+
+def _one(world, spec, sc=TP2):
+    result = runner.run([sc], spec, reporter=SilentReport(), world=world)
+    return result, result.verdicts[0]
+
+
+# -- false greens ----------------------------------------------------------------------------------
+def test_a_run_that_checked_nothing_is_not_green(cli_in_process):
+    proc = cli_in_process("run", "--target", "megatron", "--suite", "regressions", "-q")
+    assert proc.returncode == 5, (proc.returncode, proc.stderr)
+    assert "nothing was checked: all 6 scenarios were skipped" in proc.stderr
+    assert cli_in_process("run", "--target", "megatron", "--suite", "regressions", "-q",
+                          "--allow-all-skipped").returncode == 0
+
+
+# -- the controller survives any rank's death --------------------------------------------------------
+def test_a_rank_killed_while_idle_is_named_and_the_next_scenario_runs(world):
+    runner.run([SMALL], "builtin", reporter=SilentReport(), world=world)  # healthy, idle
+    victim = world._procs[2]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=10)
+    generation = world.generation
+    result, v = _one(world, "builtin")
+    assert v.status == "pass", v.headline()
+    assert world.generation == generation + 1  # restarted before the scenario, not blamed on it
+    [event] = result.info.world_events
+    assert "rank 2 died between scenarios (killed by SIGKILL" in event and "restarted" in event
+    assert "world, between scenarios" in runner_table(result)
+
+
+def runner_table(result) -> str:
+    from shardcheck.harness.controller.report import render_table
+
+    return render_table(result.verdicts, result.info)
+
+
+def test_a_rank_killed_mid_scenario_is_named_with_the_memory_it_held(monkeypatch):
+    kills = iter(range(100))
+    monkeypatch.setattr(memory, "oom_kills", lambda: next(kills))  # the OOM killer ran meanwhile
+    with World(2, timeout=20) as world:
+        def kill_rank_one() -> None:
+            time.sleep(1.5)
+            os.kill(world._procs[1].pid, signal.SIGKILL)
+
+        import threading
+
+        threading.Thread(target=kill_rank_one, daemon=True).start()
+        _, v = _one(world, "plants:RankOneSleeps")
+    head = v.failures[0].message
+    assert "rank 1 died (killed by SIGKILL, by the out-of-memory killer; it held" in head, head
+    assert "MiB when last seen" in head
+
+
+# -- blame -----------------------------------------------------------------------------------------
+def test_a_hang_names_the_rank_that_did_not_arrive_and_where_it_was(monkeypatch):
+    with World(2, timeout=2) as world:
+        result, hung = _one(world, "plants:SpinsOnRankOne")
+        head = hung.failures[0]
+        assert head.ranks == [1] and head.message.startswith("rank 1 hung: it did not arrive where ranks [0]"), \
+            [f.message for f in hung.failures]
+        assert "plants.py" in head.message and "in compute" in head.message, head.message
+        assert all("rank 0 hung" not in f.message for f in hung.failures)
+        assert hung.seconds < 2 + 2  # ended when its peer gave up, not at the controller's deadline
+        # the restart (made to take 3 s more) is reported on its own, not charged to the next scenario
+        real_start = World.start
+        monkeypatch.setattr(World, "start", lambda self: (time.sleep(3.0), real_start(self))[1])
+        again, after = _one(world, "builtin", SMALL)
+        assert len(again.info.startup_seconds) == 2 and after.status == "pass" and after.seconds < 3.0
+
+
+def test_a_peer_still_working_when_a_rank_dies_is_given_its_time_not_called_hung():
+    with World(2, timeout=20) as world:
+        _, v = _one(world, "plants:RankOneDiesWhileRankZeroWorks")
+    text = " | ".join(f.message for f in v.failures)
+    assert v.failures[0].message.startswith("rank 1 died (exit code 3)"), text
+    assert "hung" not in text and v.seconds >= 3.0  # rank 0 finished its 3 s of work and stopped
+
+
+def test_a_peer_that_never_answers_after_a_death_is_stopped_not_hung():
+    with World(2, timeout=2) as world:
+        _, v = _one(world, "plants:RankOneDiesRankZeroSpins")
+    text = " | ".join(f.message for f in v.failures)
+    assert "rank 1 died (exit code 3)" in text and "rank 0 stopped after rank 1 died: no result within 4s" in text
+    assert "hung" not in text
+
+
+@pytest.mark.parametrize("plant,says", [
+    ("ReturnsNone", "the target's compute returned None, not RankOutputs"),
+    ("HalfOutputs", "log_probs of sample 0 is float16, coarser than the logits' float32"),
+    ("LongOutputs", "log_probs of sample 0 is int64, not floating point"),
+    ("DetachedOutputs", "entropy of sample 0 does not require grad: it is detached from the logits"),
+    ("MetaOutputs", "log_probs of sample 0 is on meta, the logits on cpu"),
+])
+def test_a_malformed_output_is_the_targets_and_names_its_compute(world, plant, says):
+    _, v = _one(world, f"plants:{plant}")
+    head = v.failures[0]
+    assert head.kind == "value_mismatch" and says in head.message, [f.message for f in v.failures]
+    assert "tests/plants.py:" in head.message and "in compute" in head.message
+    assert "harness/" not in head.message and head.ranks == [0, 1, 2, 3]
+
+
+# -- a healthy run is not silent while its world starts ---------------------------------------------
+def test_the_world_start_is_shown_while_it_happens():
+    import io
+
+    from shardcheck.harness.controller.report import TerminalReport
+
+    err = io.StringIO()
+    result = runner.run([SMALL], "builtin", reporter=TerminalReport(out=io.StringIO(), err=err), nproc=2)
+    assert result.exit_code == 0
+    lines = err.getvalue().splitlines()
+    starting = [i for i, ln in enumerate(lines) if ln == "shardcheck: starting 2 ranks ..."]
+    progress = [i for i, ln in enumerate(lines) if "small" in ln and "passed" in ln]
+    assert starting and progress and starting[0] < progress[0], lines
+
+
+# -- nothing outlives the controller -----------------------------------------------------------------
+def _parents() -> dict[int, int]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    parents, found, frontier = _parents(), set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("when", [1, 4])
+def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
+    """Killed as soon as ``when`` processes are below it: 1, the fork server still importing
+    torch; 4, ranks forked and joining the world."""
+    env = dict(os.environ, PYTHONPATH=str(TESTS), TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "--suite", "smoke", "-q"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: set[int] = set()
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(seen) < when:
+            seen |= _descendants(proc.pid)
+            time.sleep(0.01)
+        assert len(seen) >= when, "the world did not start"
+        proc.kill()
+        proc.wait(timeout=10)
+        seen |= _descendants(proc.pid)
+        deadline = time.time() + 20
+        while time.time() < deadline and any(_alive(p) for p in seen):
+            time.sleep(0.1)
+        assert not [p for p in seen if _alive(p)], "processes outlived the controller"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
