@@ -2,6 +2,7 @@
 
 from shardcheck.reference.truth import (
     DEFAULT_CHUNK_ROWS,
+    Keep,
     Rows,
     TensorRows,
     as_rows,
@@ -12,6 +13,7 @@ from shardcheck.reference.truth import (
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
+    "Keep",
     "Rows",
     "TensorRows",
     "as_rows",
