@@ -52,6 +52,7 @@ class ScenarioData:
         self.dtype = torch_dtype(scenario.dtype)
         self.tail_stream = len(scenario.samples)
         self._token_cache: dict[int, torch.Tensor] = {}
+        self._keep_cache: dict[int, list] = {}
 
     def tokens(self, sample: int) -> torch.Tensor:
         """The sample's token ids, int64 ``[total]``."""
@@ -61,6 +62,27 @@ class ScenarioData:
             total = s.samples[sample].total
             self._token_cache[sample] = torch.randint(0, s.vocab, (total,), generator=g, dtype=torch.int64)
         return self._token_cache[sample].clone()
+
+    def keep_sets(self, sample: int) -> list[tuple[int, ...] | None] | None:
+        """Per response token, the ids its sampler kept (None: none recorded); None for a
+        scenario without replayed keep sets."""
+        s = self.scenario
+        if not s.replay_keep:
+            return None
+        if sample not in self._keep_cache:
+            from shardcheck.scenarios.keep import keep_sets
+
+            response = self.tokens(sample)[s.samples[sample].prompt:].tolist()
+            self._keep_cache[sample] = keep_sets(s.seed, data_id(s, sample), response, s.vocab)
+        return list(self._keep_cache[sample])
+
+    def keep_at(self, stream: int, pos: int) -> tuple[int, ...] | None:
+        """The keep set of the token row ``pos`` of ``stream`` predicts (None: unprocessed)."""
+        if stream >= len(self.scenario.samples):
+            return None
+        sets = self.keep_sets(stream)
+        j = pos + 1 - self.scenario.samples[stream].prompt  # row pos predicts token pos + 1
+        return sets[j] if sets is not None and 0 <= j < len(sets) else None
 
     def logit_rows(self, stream: int, start: int, stop: int) -> torch.Tensor:
         """Logit rows ``[start, stop)`` of a stream, ``[stop - start, vocab]`` in the scenario dtype.

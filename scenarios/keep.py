@@ -20,15 +20,16 @@ KeepSets = list  # list[tuple[int, ...] | None], one entry per response token
 EDGES = ("target_only", "whole_vocab", "straddle", "without_target", "empty")
 
 
-def keep_sets(seed: int, data_id: int, targets: Sequence[int], vocab: int, tp: int = 1) -> KeepSets:
+def keep_sets(seed: int, data_id: int, targets: Sequence[int], vocab: int) -> KeepSets:
     """One keep set per response token (``targets``: the response tokens). The first tokens
     take the edges in turn, then random sets; the last quarter of a response of 4 or more
-    tokens has none recorded."""
+    tokens has none recorded. Nothing here depends on the layout (a sample's keep sets are the
+    same at any tp or cp): the straddling set sits on the middle of the vocabulary, a shard
+    boundary for every even tp."""
     rng = random.Random(int.from_bytes(hashlib.blake2b(repr((seed, "keep", data_id)).encode(),
                                                        digest_size=8).digest(), "little"))
     n = len(targets)
     recorded = n - n // 4 if n >= 4 else n
-    shard = vocab // tp if tp > 0 and vocab % tp == 0 else vocab
     out: KeepSets = []
     for r in range(recorded):
         y = int(targets[r])
@@ -38,7 +39,7 @@ def keep_sets(seed: int, data_id: int, targets: Sequence[int], vocab: int, tp: i
         elif edge == "whole_vocab":
             ids = set(range(vocab))
         elif edge == "straddle":
-            b = shard * rng.randrange(1, tp) if tp > 1 else vocab // 2
+            b = vocab // 2
             ids = {v for v in (b - 2, b - 1, b, b + 1) if 0 <= v < vocab}
         elif edge == "without_target":
             ids = set(rng.sample([v for v in range(vocab) if v != y], min(3, vocab - 1)))

@@ -53,6 +53,9 @@ class Scenario:
     temperature: float = 1.0
     dtype: str = "float32"
     seed: int = 0
+    # each response token carries the keep set the rollout's sampler kept (top-p / top-k replay,
+    # scenarios.keep); its log-prob is renormalised over it, its entropy is not
+    replay_keep: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +163,8 @@ def validate(s: Scenario) -> None:
             raise bad(f"{fname} must be an integer, got {getattr(s, fname)!r}")
     if s.vocab < 1:
         raise bad(f"vocab {s.vocab} < 1")
+    if not isinstance(s.replay_keep, bool):
+        raise bad(f"replay_keep must be true or false, got {s.replay_keep!r}")
     if s.tp < 1 or s.cp < 1:
         raise bad(f"tp and cp must be >= 1, got tp={s.tp} cp={s.cp}")
     if s.vocab % s.tp:

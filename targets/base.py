@@ -27,6 +27,8 @@ class Capabilities:
     layouts: frozenset[str] = frozenset(LAYOUTS)
     entropy: bool = True
     dtypes: frozenset[str] = frozenset(DTYPES)
+    # applies RankInputs.keep_sets (a replayed top-p / top-k keep set per response token)
+    replay_keep: bool = False
     reasons: tuple[tuple[str, str], ...] = ()
 
     def skip_reason(self, scenario: Scenario) -> str | None:
@@ -39,6 +41,8 @@ class Capabilities:
         if scenario.dtype not in self.dtypes:
             return why.get("dtype") or (
                 f"dtype {scenario.dtype} not supported (supports {', '.join(sorted(self.dtypes))})")
+        if scenario.replay_keep and not self.replay_keep:
+            return why.get("replay_keep") or "does not apply replayed keep sets (top-p / top-k replay)"
         return None
 
 
@@ -86,6 +90,9 @@ class RankInputs:
     # code that does only part of the job may use it; an implementation under test must not.
     rank_layout: Any = None
     policy: PolicyBatch | None = None
+    # per sample, per response token (all of them, not the rank's share): the ids the rollout's
+    # sampler kept, or None where none was recorded; None when the scenario replays none
+    keep_sets: list[list[tuple[int, ...] | None]] | None = None
 
     @property
     def allgather_cp(self) -> bool:

@@ -467,3 +467,41 @@ class RankOneSleeps(BuiltinTarget):
         if _global_rank() == 1:
             time.sleep(30.0)
         return super().compute(inputs)
+
+
+class ReplayKeepTp1(BuiltinTarget):
+    """processed log-probs written plainly, for tp = cp = 1 thd: each response token's log-prob
+    renormalised over its replayed keep set and its target, the entropy over the whole vocabulary"""
+
+    name = "plants:ReplayKeepTp1"
+    capabilities = BuiltinTarget.capabilities.__class__(layouts=frozenset({"thd"}), replay_keep=True)
+    renormalise = True
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        assert inputs.tp_size == 1 and inputs.cp_size == 1
+        rows = inputs.logits[0] / inputs.temperature
+        log_probs, entropies, offset = [], [], 0
+        for i, (total, response) in enumerate(zip(inputs.total_lengths, inputs.response_lengths)):
+            prompt = total - response
+            s = rows[offset + prompt - 1: offset + total - 1]  # row p predicts token p + 1
+            targets = inputs.tokens[i][prompt:]
+            lps = []
+            for j in range(response):
+                kept = inputs.keep_sets[i][j] if inputs.keep_sets else None
+                row = s[j]
+                if kept is not None and self.renormalise:
+                    mask = torch.zeros_like(row, dtype=torch.bool)
+                    mask[list(kept) + [int(targets[j])]] = True
+                    row = row.masked_fill(~mask, float("-inf"))
+                lps.append(torch.log_softmax(row, -1)[targets[j]])
+            log_probs.append(torch.stack(lps))
+            entropies.append(-(torch.softmax(s, -1) * torch.log_softmax(s, -1)).sum(-1))
+            offset += total
+        return RankOutputs(log_probs=log_probs, entropy=entropies if inputs.with_entropy else None)
+
+
+class ReplayKeepIgnored(ReplayKeepTp1):
+    """claims to apply the replayed keep sets, and ignores them"""
+
+    name = "plants:ReplayKeepIgnored"
+    renormalise = False

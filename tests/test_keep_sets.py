@@ -8,18 +8,18 @@ TARGETS = [5, 1, 9, 3, 12, 0, 7, 7, 2, 14, 6, 8]
 
 
 def test_drawn_from_the_seed_and_the_sample_not_from_anything_else():
-    a = keep_sets(1, 0, TARGETS, vocab=16, tp=2)
-    assert a == keep_sets(1, 0, TARGETS, vocab=16, tp=2)
-    assert a != keep_sets(1, 1, TARGETS, vocab=16, tp=2) and a != keep_sets(2, 0, TARGETS, vocab=16, tp=2)
+    a = keep_sets(1, 0, TARGETS, vocab=16)
+    assert a == keep_sets(1, 0, TARGETS, vocab=16)
+    assert a != keep_sets(1, 1, TARGETS, vocab=16) and a != keep_sets(2, 0, TARGETS, vocab=16)
 
 
 def test_every_edge_is_there():
-    sets = keep_sets(3, 0, TARGETS, vocab=16, tp=4)
+    sets = keep_sets(3, 0, TARGETS, vocab=16)
     target_only, whole, straddle, without, empty = sets[:len(EDGES)]
     assert target_only == (TARGETS[0],)
     assert whole == tuple(range(16))
-    shards = {v // 4 for v in straddle}
-    assert len(shards) == 2 and max(straddle) - min(straddle) <= 3  # across one shard boundary
+    for tp in (2, 4, 8):  # across a shard boundary at every even tp
+        assert len({v // (16 // tp) for v in straddle}) == 2, tp
     assert TARGETS[3] not in without and without
     assert empty == ()
     assert sets[-3:] == [None] * 3 and all(s is not None for s in sets[:-3])  # a trailing quarter unrecorded

@@ -158,9 +158,10 @@ def compare_grad(
     tol = TOLERANCES[sc.dtype]["grad"]
     a, _ = layout.columns
     listed, count, worst = [], 0, 0.0
+    source = shard.PieceRows(data, layout.pieces)
     for start, want in loss_grad_chunks(
-        shard.PieceRows(data, layout.pieces), targets, w_lp, w_ent if sc.with_entropy else None,
-        entropy_coef=sc.entropy_coef, temperature=sc.temperature, columns=slice(*layout.columns), device=device,
+        source, targets, w_lp, w_ent if sc.with_entropy else None, entropy_coef=sc.entropy_coef,
+        temperature=sc.temperature, columns=slice(*layout.columns), device=device, keep=source.keep(),
     ):
         want = want.cpu()
         got = grad[start : start + want.size(0)]

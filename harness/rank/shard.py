@@ -25,6 +25,18 @@ class PieceRows:
             self.starts.append(self.starts[-1] + p.rows)
         self.num_rows = self.starts[-1]
 
+    def keep(self) -> dict[int, tuple[int, ...]] | None:
+        """The reference's keep sets of these rows, by row (None: the scenario replays none)."""
+        if not self.data.scenario.replay_keep:
+            return None
+        out = {}
+        for p, base in zip(self.pieces, self.starts):
+            for r in range(p.rows):
+                ids = self.data.keep_at(p.stream, p.start + r)
+                if ids is not None:
+                    out[base + r] = ids
+        return out
+
     def rows(self, start: int, stop: int) -> torch.Tensor:
         out = []
         k = max(bisect.bisect_right(self.starts, start) - 1, 0)
@@ -110,8 +122,9 @@ def share_truth(data: ScenarioData, layout: RankLayout, device: torch.device | N
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference (log-probs, entropy) of the rank's share, float64 on the CPU, concatenated
     over samples; computed on ``device`` (a GPU, in row chunks) when one is given."""
-    lp, ent = logprob_entropy(PieceRows(data, share_pieces(layout)), share_targets(data, layout),
-                              temperature=layout.scenario.temperature, device=device)
+    rows = PieceRows(data, share_pieces(layout))
+    lp, ent = logprob_entropy(rows, share_targets(data, layout), temperature=layout.scenario.temperature,
+                              device=device, keep=rows.keep())
     return lp.cpu(), ent.cpu()
 
 
