@@ -27,7 +27,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """log p(target) and entropy of softmax(logits / t) for logits split by columns over TP."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, tp_group, with_entropy, entropy_grad, comm):  # type: ignore[override]
+    def forward(ctx, logits, targets, temperature, tp_group, with_entropy, entropy_grad, comm, keep=None):  # type: ignore[override]
         v_local = logits.size(-1)
         vocab_start = dist.get_rank(tp_group) * v_local
         s = logits.float() / temperature
@@ -47,6 +47,17 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
         log_sum_exp = sum_exp.log()
         log_prob = target_logit - log_sum_exp
+        q = None
+        if keep is not None:
+            # processed log-prob: renormalised over each row's kept columns (the target is in
+            # them), with its own maximum, as slime's masked softmax; the entropy is not
+            kept = s.masked_fill(~keep, float("-inf"))
+            keep_max = kept.max(dim=-1).values
+            comm.all_reduce(keep_max, dist.ReduceOp.MAX, tp_group, "keep_max")
+            kexp = (kept - keep_max.unsqueeze(-1)).exp()
+            keep_sum = _rank_order_sum(comm.all_gather(kexp.sum(dim=-1), tp_group, "keep_sum_exp"))
+            log_prob = target_logit - keep_max - keep_sum.log()
+            q = kexp.div_(keep_sum.unsqueeze(-1))
         p = exp.div_(sum_exp.unsqueeze(-1))
         if with_entropy:
             mean_s = _rank_order_sum(comm.all_gather((p * s).sum(dim=-1), tp_group, "mean_s"))
@@ -57,28 +68,32 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         ctx.entropy_grad = bool(with_entropy and entropy_grad)
         ctx.temperature = temperature
         ctx.logits_dtype = logits.dtype
+        ctx.processed = q is not None
+        kept_q = (q,) if q is not None else ()
         if ctx.entropy_grad:
-            ctx.save_for_backward(p, local, in_shard, s, mean_s)
+            ctx.save_for_backward(p, local, in_shard, s, mean_s, *kept_q)
         else:
-            ctx.save_for_backward(p, local, in_shard)
+            ctx.save_for_backward(p, local, in_shard, *kept_q)
             ctx.mark_non_differentiable(entropy)
         return log_prob, entropy
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):  # type: ignore[override]
+        saved = list(ctx.saved_tensors)
+        q = saved.pop() if ctx.processed else None
         if ctx.entropy_grad:
-            p, local, in_shard, s, mean_s = ctx.saved_tensors
+            p, local, in_shard, s, mean_s = saved
         else:
-            p, local, in_shard = ctx.saved_tensors
+            p, local, in_shard = saved
         grad = torch.zeros_like(p)
         if grad_log_prob is not None:
-            grad = -p * grad_log_prob.unsqueeze(-1)
+            grad = -(p if q is None else q) * grad_log_prob.unsqueeze(-1)
             grad.scatter_add_(-1, local.unsqueeze(-1), (grad_log_prob * in_shard).unsqueeze(-1))
         if ctx.entropy_grad and grad_entropy is not None:
             # d entropy / d s = -p * (s - sum_v p_v s_v)
             grad -= grad_entropy.unsqueeze(-1) * p * (s - mean_s.unsqueeze(-1))
         grad /= ctx.temperature
-        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None
 
 
 def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -113,7 +128,7 @@ class BuiltinTarget:
     """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
 
     name = "builtin"
-    capabilities = Capabilities()
+    capabilities = Capabilities(replay_keep=True)
     # What ``shardcheck invariance`` holds it to: the same sample gives the same bits in any
     # layout, packing, order or micro-batch, at a given tp. Across tp sizes the vocab sums are
     # split differently, so no bound is promised there (README gives the measured figures).
@@ -155,6 +170,37 @@ class BuiltinTarget:
         """The tokens the rows [start, stop) of a chunk predict."""
         return targets[start:stop]
 
+    def keep_mask(self, start: int, stop: int, targets: torch.Tensor, v_local: int, inputs: RankInputs
+                  ) -> torch.Tensor | None:
+        """[stop - start, v_local] bool: the local vocabulary columns each row's log-prob is
+        normalised over (a replayed keep set and the target; every column for an unprocessed
+        row); None when nothing in the chunk is processed."""
+        keep = self._row_keep[start:stop] if self._row_keep is not None else []
+        if all(k is None for k in keep):
+            return None
+        vocab_start = inputs.tp_rank * v_local
+        mask = torch.ones(stop - start, v_local, dtype=torch.bool, device=inputs.logits.device)
+        for r, ids in enumerate(keep):
+            if ids is None:
+                continue
+            mask[r] = False
+            cols = [v - vocab_start for v in (*ids, int(targets[r])) if vocab_start <= v < vocab_start + v_local]
+            if cols:
+                mask[r, cols] = True
+        return mask
+
+    def _keep_rows(self, inputs: RankInputs, sample: int, local0: int, pos0: int, count: int) -> None:
+        """Record the keep sets of ``count`` local rows from ``local0``, which predict the tokens
+        after positions ``pos0 ...`` of ``sample``."""
+        if self._row_keep is None:
+            return
+        sets = inputs.keep_sets[sample] or []
+        prompt = inputs.total_lengths[sample] - inputs.response_lengths[sample]
+        for k in range(count):
+            j = pos0 + k + 1 - prompt
+            if 0 <= j < len(sets):
+                self._row_keep[local0 + k] = sets[j]
+
     def contribution(self, value: torch.Tensor, before: int, response: int) -> torch.Tensor:
         """A sample's full-response vector holding this rank's all-gather slice (zeros elsewhere)."""
         return torch.nn.functional.pad(value, (before, response - before - value.numel()))
@@ -165,6 +211,7 @@ class BuiltinTarget:
         if logits.dim() != 3:
             raise ValueError(f"logits must be 3-D, got shape {tuple(logits.shape)}")
         rows = logits.reshape(-1, logits.size(-1))
+        self._row_keep = [None] * rows.size(0) if inputs.keep_sets is not None else None
         targets, slices = self.row_targets_and_slices(inputs, rows.size(0))
         log_prob, entropy = self.log_probs_and_entropy(rows, targets, inputs, self.entropy_grad_wanted(inputs))
         res = {"log_probs": self.extract(log_prob, slices, "log_probs")}
@@ -185,9 +232,11 @@ class BuiltinTarget:
         step = inputs.chunk_size if inputs.chunk_size > 0 else n
         lps, ents = [], []
         for start in range(0, n, step):
+            chunk_targets = self.chunk_targets(targets, start, start + step)
             lp, ent = _VocabParallelLogProbEntropy.apply(
-                rows[start : start + step], self.chunk_targets(targets, start, start + step), inputs.temperature,
+                rows[start : start + step], chunk_targets, inputs.temperature,
                 inputs.tp_group, inputs.with_entropy, entropy_grad, self,
+                self.keep_mask(start, min(start + step, n), chunk_targets, rows.size(-1), inputs),
             )
             lps.append(lp)
             ents.append(ent)
@@ -215,6 +264,7 @@ class BuiltinTarget:
         ):
             base = i * stride if stride is not None else offset
             targets[base : base + total - 1] = tokens[1:total].to(device)
+            self._keep_rows(inputs, i, base, 0, total - 1)
             slices.append(slice(base + total - response - 1, base + total - 1))
             offset += total
         return targets, slices
@@ -223,7 +273,8 @@ class BuiltinTarget:
         c, r = inputs.cp_size, inputs.cp_rank
         slices: list[Any] = []
         base = 0
-        for tokens, total, response in zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths):
+        for i, (tokens, total, response) in enumerate(
+                zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths)):
             k = (total + 2 * c - 1) // (2 * c)
             first_scored, end_scored = total - response - 1, total - 1
             rows = []
@@ -233,6 +284,7 @@ class BuiltinTarget:
                 valid_hi = min(hi, total - 1)  # rows that predict a real token
                 if lo < valid_hi:
                     targets[local0 : local0 + valid_hi - lo] = tokens[lo + 1 : valid_hi + 1].to(targets.device)
+                    self._keep_rows(inputs, i, local0, lo, valid_hi - lo)
                 a, b = max(lo, first_scored), min(hi, end_scored)
                 if a < b:
                     rows.append(torch.arange(local0 + a - lo, local0 + b - lo, device=targets.device))
@@ -245,11 +297,13 @@ class BuiltinTarget:
         hi = lo + n_rows
         slices: list[Any] = []
         seq_start = 0
-        for tokens, total, response in zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths):
+        for i, (tokens, total, response) in enumerate(
+                zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths)):
             # rows of this sample that predict a real token: global [seq_start, seq_start + total - 1)
             a, b = max(lo, seq_start), min(hi, seq_start + total - 1)
             if a < b:
                 targets[a - lo : b - lo] = tokens[a - seq_start + 1 : b - seq_start + 1].to(targets.device)
+                self._keep_rows(inputs, i, a - lo, a - seq_start, b - a)
             first = seq_start + total - response - 1
             a, b = max(lo, first), min(hi, seq_start + total - 1)
             slices.append(slice(a - lo, b - lo) if a < b else slice(0, 0))

@@ -505,3 +505,10 @@ class ReplayKeepIgnored(ReplayKeepTp1):
 
     name = "plants:ReplayKeepIgnored"
     renormalise = False
+
+
+class WithoutReplayKeep(BuiltinTarget):
+    """builtin, as a target that does not say it applies replayed keep sets"""
+
+    name = "plants:WithoutReplayKeep"
+    capabilities = BuiltinTarget.capabilities.__class__()

@@ -27,5 +27,20 @@ def test_the_processed_truth_is_met_by_a_plain_implementation_and_missed_without
     kinds = {f.kind for f in v.failures}
     assert v.status == "fail" and {"value_mismatch", "grad_mismatch"} <= kinds, v.headline()
     assert not any(f.field == "entropy" for f in v.failures)  # the entropy is not processed
-    [v] = runner.run([REPLAY], "builtin", reporter=SilentReport(), world=world).verdicts
+    [v] = runner.run([REPLAY], "plants:WithoutReplayKeep", reporter=SilentReport(), world=world).verdicts
     assert v.status == "skip" and v.reason == "does not apply replayed keep sets (top-p / top-k replay)"
+
+
+@pytest.mark.world
+def test_builtin_applies_the_keep_sets_in_every_layout(world):
+    import dataclasses
+
+    from shardcheck.scenarios import get_suite
+
+    picked = {}
+    for sc in get_suite("smoke"):  # one of each (layout, tp, cp, chunked) the smoke suite has
+        picked.setdefault((sc.layout, sc.tp, sc.cp, sc.log_probs_chunk_size > 0), sc)
+    scenarios = [dataclasses.replace(sc, name=sc.name + "-keep", replay_keep=True) for sc in picked.values()]
+    assert {sc.layout for sc in scenarios} == {"thd", "bshd", "zigzag", "allgather"} and len(scenarios) >= 8
+    result = runner.run(scenarios, "builtin", reporter=SilentReport(), world=world)
+    assert [v.headline() for v in result.verdicts if v.status != "pass"] == []
