@@ -34,3 +34,18 @@ def regressions() -> list[Scenario]:
                  description="zigzag CP, responses starting on the first row of a CP chunk, with and without "
                  "zigzag padding (a length-dependent off-by-one)"),
     ]
+
+
+@suite
+def replay() -> list[Scenario]:
+    """replayed keep sets (top-p / top-k replay) in every layout, at tp 2"""
+    return [
+        Scenario("replay-thd-tp2", (Sample(23, 12), Sample(14, 8)), vocab=32, tp=2, entropy_coef=0.1,
+                 replay_keep=True, seed=21),
+        Scenario("replay-bshd-tp2", (Sample(17, 9), Sample(12, 11)), vocab=32, tp=2, layout="bshd",
+                 replay_keep=True, seed=22),
+        Scenario("replay-zigzag-tp2cp2", (Sample(36, 17), Sample(21, 12)), vocab=32, tp=2, cp=2,
+                 layout="zigzag", entropy_coef=0.1, replay_keep=True, seed=23),
+        Scenario("replay-allgather-tp2cp2", (Sample(30, 14), Sample(19, 10)), vocab=32, tp=2, cp=2,
+                 layout="allgather", replay_keep=True, seed=24),
+    ]

@@ -184,14 +184,19 @@ class BuiltinTarget:
             if ids is None:
                 continue
             mask[r] = False
-            cols = [v - vocab_start for v in (*ids, int(targets[r])) if vocab_start <= v < vocab_start + v_local]
+            cols = self.keep_columns((*ids, int(targets[r])), vocab_start, v_local)
             if cols:
                 mask[r, cols] = True
         return mask
 
-    def _keep_rows(self, inputs: RankInputs, sample: int, local0: int, pos0: int, count: int) -> None:
+    def keep_columns(self, ids: tuple[int, ...], vocab_start: int, v_local: int) -> list[int]:
+        """The local columns of the vocabulary ids this TP rank holds."""
+        return [v - vocab_start for v in ids if vocab_start <= v < vocab_start + v_local]
+
+    def keep_rows(self, inputs: RankInputs, sample: int, local0: int, pos0: int, count: int,
+                  half: int | None = None) -> None:
         """Record the keep sets of ``count`` local rows from ``local0``, which predict the tokens
-        after positions ``pos0 ...`` of ``sample``."""
+        after positions ``pos0 ...`` of ``sample`` (``half``: which zigzag half they are)."""
         if self._row_keep is None:
             return
         sets = inputs.keep_sets[sample] or []
@@ -264,7 +269,7 @@ class BuiltinTarget:
         ):
             base = i * stride if stride is not None else offset
             targets[base : base + total - 1] = tokens[1:total].to(device)
-            self._keep_rows(inputs, i, base, 0, total - 1)
+            self.keep_rows(inputs, i, base, 0, total - 1)
             slices.append(slice(base + total - response - 1, base + total - 1))
             offset += total
         return targets, slices
@@ -284,7 +289,7 @@ class BuiltinTarget:
                 valid_hi = min(hi, total - 1)  # rows that predict a real token
                 if lo < valid_hi:
                     targets[local0 : local0 + valid_hi - lo] = tokens[lo + 1 : valid_hi + 1].to(targets.device)
-                    self._keep_rows(inputs, i, local0, lo, valid_hi - lo)
+                    self.keep_rows(inputs, i, local0, lo, valid_hi - lo, half)
                 a, b = max(lo, first_scored), min(hi, end_scored)
                 if a < b:
                     rows.append(torch.arange(local0 + a - lo, local0 + b - lo, device=targets.device))
@@ -303,7 +308,7 @@ class BuiltinTarget:
             a, b = max(lo, seq_start), min(hi, seq_start + total - 1)
             if a < b:
                 targets[a - lo : b - lo] = tokens[a - seq_start + 1 : b - seq_start + 1].to(targets.device)
-                self._keep_rows(inputs, i, a - lo, a - seq_start, b - a)
+                self.keep_rows(inputs, i, a - lo, a - seq_start, b - a)
             first = seq_start + total - response - 1
             a, b = max(lo, first), min(hi, seq_start + total - 1)
             slices.append(slice(a - lo, b - lo) if a < b else slice(0, 0))

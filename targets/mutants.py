@@ -16,8 +16,9 @@ from shardcheck.targets.builtin import BuiltinTarget
 
 
 class Mutant(BuiltinTarget):
-    expected: tuple[str, str | None] = ("", None)  # (failure kind, phase) on the regressions suite
+    expected: tuple[str, str | None] = ("", None)  # (failure kind, phase) on its suite
     found_by = "run"  # the command that finds it: run, or invariance (it passes run)
+    suite = "regressions"  # the suite that shows it
 
 
 class EntropyNone(Mutant):
@@ -241,6 +242,33 @@ class PackingDependent(Mutant):
         return row_max if self._shift is None else self._shift.expand_as(row_max)
 
 
+class KeepWrongHalf(Mutant):
+    """zigzag keep mask filled for the wrong half: the second zigzag half's rows take the keep
+    sets of the first half's positions (replayed top-p sets on the wrong tokens)"""
+
+    expected = ("value_mismatch", None)
+    suite = "replay"
+
+    def keep_rows(self, inputs: RankInputs, sample: int, local0: int, pos0: int, count: int,
+                  half: int | None = None) -> None:
+        if half == 0:
+            self._first_half = pos0
+        elif half == 1:
+            pos0 = getattr(self, "_first_half", pos0)
+        super().keep_rows(inputs, sample, local0, pos0, count, half)
+
+
+class KeepIdsUnshifted(Mutant):
+    """keep-set ids not shifted by the TP shard's vocabulary start: every TP rank masks columns
+    as if it held the vocabulary from 0"""
+
+    expected = ("value_mismatch", None)
+    suite = "replay"
+
+    def keep_columns(self, ids: tuple[int, ...], vocab_start: int, v_local: int) -> list[int]:
+        return [v for v in ids if 0 <= v < v_local]
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     "entropy_none": EntropyNone,
     "skip_empty_rank": SkipEmptyRank,
@@ -257,6 +285,8 @@ MUTANTS: dict[str, type[Mutant]] = {
     "inplace_temperature": InplaceTemperature,
     "inplace_grad_output": InplaceGradOutput,
     "packing_dependent": PackingDependent,
+    "keep_wrong_half": KeepWrongHalf,
+    "keep_ids_unshifted": KeepIdsUnshifted,
 }
 
 

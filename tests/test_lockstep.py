@@ -23,7 +23,7 @@ def test_builtin_passes_the_regressions(world):
 @pytest.mark.parametrize("name", sorted(n for n, cls in MUTANTS.items() if cls.found_by == "run"))
 def test_every_mutant_is_caught_with_its_kind_and_phase(world, name):
     starts = len(world.startup_seconds)
-    result = _run(world, f"builtin:{name}", get_suite("regressions"))
+    result = _run(world, f"builtin:{name}", get_suite(MUTANTS[name].suite))
     assert result.exit_code == 1
     kind, phase = MUTANTS[name].expected
     found = [f for v in result.verdicts for f in v.failures if f.kind == kind and f.phase == phase]
