@@ -176,6 +176,7 @@ class SlimeTarget:
     """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src / SHARDCHECK_SLIME_SRC)"""
 
     name = "slime"
+    loss_form_passes_keep_sets = True  # this entry point hands slime the replayed keep sets
 
     def __init__(self) -> None:
         self.src = slime_source()
@@ -185,9 +186,13 @@ class SlimeTarget:
             {"bshd"} if self.era["qkv_format"] else set())
         self.capabilities = Capabilities(
             layouts=frozenset(layouts), entropy=True, dtypes=frozenset({"float32"}),
+            replay_keep=bool(self.era.get("top_p_replay")) and self.loss_form_passes_keep_sets,
             reasons=(("layout", f"slime at {(self.commit or '?')[:10]} has no such layout "
                                 f"(supports {', '.join(sorted(layouts))})"),
-                     ("dtype", "slime asserts float32 logits")),
+                     ("dtype", "slime asserts float32 logits"),
+                     ("replay_keep", f"slime at {(self.commit or '?')[:10]} takes no top-p replay"
+                      if not self.era.get("top_p_replay") else
+                      "top-p replay is not yet passed through this entry point")),
         )
         self._fn: Any = None
         self._undo: list[Any] = []
@@ -239,6 +244,12 @@ class SlimeTarget:
         }
         if "max_seq_lens" in self._params:
             kwargs["max_seq_lens"] = inputs.max_seq_lens
+        if inputs.keep_sets is not None:  # slime's replay format: ids and offsets per sample
+            from shardcheck.scenarios.keep import to_ids_offsets
+
+            pairs = [to_ids_offsets(sets) for sets in inputs.keep_sets]
+            kwargs["top_p_token_ids"] = [ids for ids, _ in pairs]
+            kwargs["top_p_token_offsets"] = [offsets for _, offsets in pairs]
         result = fn(inputs.logits, **kwargs)
         if isinstance(result, tuple):
             result = result[-1]
@@ -276,6 +287,7 @@ class SlimePolicyLossTarget(SlimeTarget):
 
     name = "slime:policy_loss"
     loss_form = "policy"
+    loss_form_passes_keep_sets = False
 
     def _policy(self) -> tuple[Any, Any, Recorder]:
         if getattr(self, "_policy_fns", None) is None:
