@@ -95,7 +95,7 @@ def allgather_local_rows(scenario: Scenario) -> int:
     return -(-total // unit) * unit // scenario.cp
 
 
-def _allgather_pieces(scenario: Scenario, cp_rank: int) -> list[Piece]:
+def allgather_pieces(scenario: Scenario, cp_rank: int) -> list[Piece]:
     local = allgather_local_rows(scenario)
     lo, hi = cp_rank * local, (cp_rank + 1) * local
     pieces, offset = [], 0
@@ -131,7 +131,7 @@ def rank_layout(scenario: Scenario, tp_rank: int, cp_rank: int) -> RankLayout:
         ]
         shape = (1, sum(p.rows for p in pieces), v_local)
     elif sc.layout == "allgather":
-        pieces = _allgather_pieces(sc, cp_rank)
+        pieces = allgather_pieces(sc, cp_rank)
         shape = (1, allgather_local_rows(sc), v_local)
     else:  # validation makes this unreachable; keep the error named
         raise ValueError(f"unknown layout {sc.layout!r}")

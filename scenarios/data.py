@@ -78,11 +78,13 @@ class ScenarioData:
 
     def keep_at(self, stream: int, pos: int) -> tuple[int, ...] | None:
         """The keep set of the token row ``pos`` of ``stream`` predicts (None: unprocessed)."""
-        if stream >= len(self.scenario.samples):
+        if stream >= len(self.scenario.samples) or not self.scenario.replay_keep:
             return None
-        sets = self.keep_sets(stream)
+        if stream not in self._keep_cache:
+            self.keep_sets(stream)
+        sets = self._keep_cache[stream]  # read in place: this is asked once per row
         j = pos + 1 - self.scenario.samples[stream].prompt  # row pos predicts token pos + 1
-        return sets[j] if sets is not None and 0 <= j < len(sets) else None
+        return sets[j] if 0 <= j < len(sets) else None
 
     def logit_rows(self, stream: int, start: int, stop: int) -> torch.Tensor:
         """Logit rows ``[start, stop)`` of a stream, ``[stop - start, vocab]`` in the scenario dtype.

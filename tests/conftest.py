@@ -27,6 +27,39 @@ def run_cli(*args: str, timeout: float = 600, cwd: str | None = None) -> subproc
                           timeout=timeout, env=env, cwd=cwd)
 
 
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # state, parent pid, ...
+
+
+def parent_pid(pid: int) -> int:
+    return int(_stat(pid)[1])
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``: ranks fork from a server, so they are its grandchildren."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = parent_pid(int(entry))
+            except OSError:
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
 def write_scenarios(path: Path, scenarios: list) -> Path:
     path.write_text(json.dumps([s.to_dict() for s in scenarios]))
     return path

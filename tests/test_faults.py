@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import TESTS
+from conftest import TESTS, alive, descendants
 from shardcheck.harness.controller import memory, runner
 from shardcheck.harness.controller.report import SilentReport
 from shardcheck.harness.controller.world import World
@@ -139,34 +139,6 @@ def test_the_world_start_is_shown_while_it_happens():
 
 
 # -- nothing outlives the controller -----------------------------------------------------------------
-def _parents() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-    return out
-
-
-def _descendants(pid: int) -> set[int]:
-    parents, found, frontier = _parents(), set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("when", [1, 4])
 def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
     """Killed as soon as ``when`` processes are below it: 1, the fork server still importing
@@ -178,16 +150,16 @@ def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
     try:
         deadline = time.time() + 60
         while time.time() < deadline and len(seen) < when:
-            seen |= _descendants(proc.pid)
+            seen |= descendants(proc.pid)
             time.sleep(0.01)
         assert len(seen) >= when, "the world did not start"
         proc.kill()
         proc.wait(timeout=10)
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         deadline = time.time() + 20
-        while time.time() < deadline and any(_alive(p) for p in seen):
+        while time.time() < deadline and any(alive(p) for p in seen):
             time.sleep(0.1)
-        assert not [p for p in seen if _alive(p)], "processes outlived the controller"
+        assert not [p for p in seen if alive(p)], "processes outlived the controller"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,39 +9,9 @@ import time
 
 import pytest
 
-from conftest import TESTS
+from conftest import TESTS, alive, descendants
 
 pytestmark = pytest.mark.world
-
-
-def _parents() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-    return out
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every process below ``pid``: ranks fork from a server, so they are its grandchildren."""
-    parents = _parents()
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -63,14 +33,14 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
             time.sleep(0.2)
         else:
             pytest.fail("no results within 180 s")
-        ranks = _descendants(proc.pid)
+        ranks = descendants(proc.pid)
         assert len(ranks) >= 4
         proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.time() + 15
-        while time.time() < deadline and any(_alive(p) for p in ranks):
+        while time.time() < deadline and any(alive(p) for p in ranks):
             time.sleep(0.1)
-        assert not any(_alive(p) for p in ranks), "rank processes outlived the controller"
+        assert not any(alive(p) for p in ranks), "rank processes outlived the controller"
         doc = json.loads(report.read_text())
         assert len(doc["scenarios"]) >= 3 and doc["complete"] is False
         assert all(v["verdict"] == "pass" for v in doc["scenarios"])

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from conftest import parent_pid
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
 from shardcheck.harness.controller.world import World, _rank_environment, _start_context
@@ -24,11 +25,7 @@ def _probe(world: World) -> list[str]:
 
 
 def _parents(world: World) -> set[int]:
-    out = set()
-    for p in world._procs:
-        with open(f"/proc/{p.pid}/stat") as f:
-            out.add(int(f.read().rsplit(")", 1)[1].split()[1]))
-    return out
+    return {parent_pid(p.pid) for p in world._procs}
 
 
 def test_a_forked_rank_sees_the_environment_of_each_start_not_the_servers(monkeypatch):

@@ -42,6 +42,8 @@ class JoinedWorld:
         self.requested_backend = backend
         self.backend = "gloo"
         self.startup_seconds: list[float] = []
+        self.events: list[str] = []  # as World's; a joined world has none (it cannot restart)
+        self.progress: Any = None  # as World's; a joined world starts with its launcher
         self._runner: Any = None
         self._exchange: Any = None  # a gloo group of its own for the results
         self._store: Any = None

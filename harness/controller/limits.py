@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.layout import _allgather_pieces, zigzag_positions
+from shardcheck.harness.controller.memory import size_text
+from shardcheck.harness.layout import allgather_pieces, zigzag_positions
 from shardcheck.scenarios.scenario import Scenario
 
 MiB = 1 << 20
@@ -65,13 +66,6 @@ TARGET_F32_COPIES = {True: 6, False: 4}
 # measured 374 bytes a row at vocab 8 with the tensors; 256 for the Python part.
 ROW_PYTHON_BYTES = 256
 MAX_CHUNKS_WALKED = 20_000  # past this many reference chunks, each is bounded instead of walked
-
-
-def size_text(n: float) -> str:
-    """Bytes as people read them: 512 MiB, 7.6 GiB, 512000.0 GiB."""
-    if n < GiB:
-        return f"{n / MiB:.0f} MiB"
-    return f"{n / GiB:.1f} GiB"
 
 
 # -- the machine ---------------------------------------------------------------------------------
@@ -284,7 +278,7 @@ def local_pieces(sc: Scenario, cp_rank: int) -> list[Run]:
         return [(i, 0, m) for i in range(len(samples))]
     if sc.layout == "zigzag":
         return [(i, r.start, r.stop) for i, s in enumerate(samples) for r in zigzag_positions(s.total, sc.cp, cp_rank)]
-    return [(p.stream, p.start, p.stop) for p in _allgather_pieces(sc, cp_rank)]
+    return [(p.stream, p.start, p.stop) for p in allgather_pieces(sc, cp_rank)]
 
 
 def share_pieces(sc: Scenario, cp_rank: int) -> list[Run]:

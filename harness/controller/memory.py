@@ -33,8 +33,7 @@ def oom_kills() -> int | None:
 
 
 def size_text(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    """Bytes as people read them: 512 MiB, 7.6 GiB, 512000.0 GiB."""
+    if n < 2**30:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**30:.1f} GiB"

@@ -131,8 +131,8 @@ def run(
     own_world = world is None and bool(runnable)
     if own_world:
         world = World(size, timeout=timeout, lockstep=lockstep, backend=backend)
-    events_before = len(getattr(world, "events", []))
-    if world is not None and hasattr(world, "progress"):
+    events_before = len(world.events) if world is not None else 0
+    if world is not None:
         world.progress = getattr(reporter, "world_starting", None)
     try:
         # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
@@ -155,9 +155,8 @@ def run(
     finally:
         if world is not None:
             info.startup_seconds = [round(s, 3) for s in world.startup_seconds]
-            info.world_events = list(getattr(world, "events", [])[events_before:])
-            if hasattr(world, "progress"):
-                world.progress = None
+            info.world_events = world.events[events_before:]
+            world.progress = None
             if hasattr(world, "rank_output"):
                 info.rank_output = [{"line": line, "ranks": ranks} for line, ranks in world.rank_output()]
         if own_world:

@@ -175,9 +175,7 @@ class World:
         while it was idle (named in ``events``); a no-op for a healthy world."""
         for r, p in enumerate(self._procs if self._healthy else []):
             if not p.is_alive():
-                p.join(timeout=1.0)
-                self.events.append(f"rank {r} died between scenarios ({self._death_text(r)}); the world restarted")
-                self._healthy = False
+                self._died_idle(r)
         if not self._healthy:
             if self.started:
                 self.close()
@@ -192,7 +190,6 @@ class World:
         seq = self._seq
         if not self._send_run(seq, scenario, target, checks):
             # a rank died after ensure_ready looked, before it got the scenario: nobody has run it
-            self._healthy = False
             self.ensure_ready()
             self._send_run(seq, scenario, target, checks)
         results: dict[int, RankResult] = {}
@@ -241,10 +238,14 @@ class World:
                 conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq,
                                        checks=checks.to_wire()))
             except OSError:  # BrokenPipe: the rank is gone
-                self._procs[r].join(timeout=1.0)
-                self.events.append(f"rank {r} died between scenarios ({self._death_text(r)}); the world restarted")
+                self._died_idle(r)
                 return False
         return True
+
+    def _died_idle(self, rank: int) -> None:
+        self._procs[rank].join(timeout=1.0)
+        self.events.append(f"rank {rank} died between scenarios ({self._death_text(rank)}); the world restarted")
+        self._healthy = False
 
     def _waited_for(self, pending: list[int], results: dict[int, RankResult]) -> list[Failure] | None:
         """The answered ranks' reports of waiting in vain, when every answered rank stopped so
@@ -256,18 +257,12 @@ class World:
         return waits if answered_waiting == set(results) else None
 
     def _end_stragglers(self, pending: list[int], results: dict[int, RankResult], waits: list[Failure]) -> None:
-        stacks = self._stacks(pending)
-        self._kill(pending)
-        began = min(f.details.get("at", time.time()) for f in waits) - self.timeout
         peers = sorted({r for f in waits for r in f.ranks})
-        for r in pending:
-            where = stacks.get(r) or "no stack available"
-            # "at": when its peers began to wait for it, so this, the cause, heads the verdict
-            results[r] = RankResult.error(
-                r, f"rank {r} hung: it did not arrive where ranks {peers} {waits[0].details['waited_for']}; "
-                   f"rank {r} was at {where}", desync=True, details={"stack": stacks.get(r, ""), "at": began})
-        self._healthy = False
-        self.close()
+        waited = waits[0].details["waited_for"]
+        # "at": when its peers began to wait for it, so this, the cause, heads the verdict
+        self._end(pending, results,
+                  lambda r, where: f"rank {r} hung: it did not arrive where ranks {peers} {waited}; rank {r} was at {where}",
+                  at=min(f.details.get("at", time.time()) for f in waits) - self.timeout)
 
     def _kill(self, ranks: list[int]) -> None:
         """End ranks that will not answer a polite stop (busy, or stuck in a collective)."""
@@ -321,12 +316,18 @@ class World:
         """Emitted once per start; late ones are harmless."""
 
     def _end_hung(self, pending: list[int], results: dict[int, Any], why: str) -> None:
+        self._end(pending, results, lambda r, where: f"rank {r} {why}; it was at {where}")
+
+    def _end(self, pending: list[int], results: dict[int, Any], say: Callable[[int, str], str],
+             at: float | None = None) -> None:
+        """End ranks that gave no result, each with ``say(rank, where it was)``; the world is
+        closed (it restarts before the next scenario)."""
         stacks = self._stacks(pending)
         self._kill(pending)
         for r in pending:
-            where = stacks.get(r) or "no stack available"
-            results[r] = RankResult.error(r, f"rank {r} {why}; it was at {where}", desync=True,
-                                          details={"stack": stacks.get(r, "")})
+            details = {"stack": stacks.get(r, "")} | ({"at": at} if at is not None else {})
+            results[r] = RankResult.error(r, say(r, stacks.get(r) or "no stack available"), desync=True,
+                                          details=details)
         self._healthy = False
         self.close()
 

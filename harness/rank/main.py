@@ -214,6 +214,7 @@ class RankRunner:
         from shardcheck.harness.wire import COLLECTIVE_MISMATCH, RANK_ERROR, Failure, RankResult
 
         t0 = time.perf_counter()
+        checks = checks or wire.Checks()
         lockstep = self.lockstep
         if lockstep is not None:
             lockstep.begin(seq, scenario.get("name", "?"))
@@ -224,7 +225,7 @@ class RankRunner:
         failures, described, notes, produced = found, {}, [], None
         raised = False
         try:
-            described, produced = self._run(scenario, target, found, errors, checks or wire.Checks())
+            described, produced = self._run(scenario, target, found, errors, checks)
             if lockstep is not None:
                 lockstep.finish()
         except CollectiveMismatch as exc:
@@ -269,7 +270,7 @@ class RankRunner:
             self.rank, seq, failures, errors, time.perf_counter() - t0, described, notes, desync,
             calls=len(calls.calls) if calls is not None else 0,
             # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
-            trace=_trace_payload(calls, (checks or wire.Checks()).trace_calls, bool(failures or notes)),
+            trace=_trace_payload(calls, checks.trace_calls, bool(failures or notes)),
             # the target's outputs as raw data (only when asked for, and only when it ran through)
             outputs=produced,
         )
