@@ -6,7 +6,8 @@ on either side) or by the rank's runner, and serialized by :meth:`RankResult.to_
 :meth:`RankResult.from_wire` alone (as pytest-xdist serializes its reports in one place).
 
 Controller -> rank:
-    run   scenario (dict), target (spec str), seq (int), checks (a Checks, as to_wire gives it)
+    run   scenario (dict), target (spec str), seq (int), checks (a Checks, as to_wire gives it),
+          settings (the controller's SHARDCHECK_* variables: what configures the target)
                                                            run one scenario
     stop                                                   leave the loop and exit
 Rank -> controller (the controller adds who sent it on arrival):
@@ -26,6 +27,20 @@ from dataclasses import field as _field
 from typing import Any
 
 RUN, STOP = "run", "stop"
+SETTINGS_PREFIX = "SHARDCHECK_"
+
+
+def target_settings() -> dict[str, str]:
+    """The controller's settings of a target as they are now (a checkout, ``--target-opt``s):
+    sent with each run, so a world started before they changed runs what the controller means."""
+    return {k: v for k, v in os.environ.items() if k.startswith(SETTINGS_PREFIX)}
+
+
+def apply_settings(settings: dict[str, str]) -> None:
+    """On a rank: the controller's SHARDCHECK_* variables, exactly (those it no longer has go)."""
+    for k in [k for k in os.environ if k.startswith(SETTINGS_PREFIX) and k not in settings]:
+        del os.environ[k]
+    os.environ.update(settings)
 READY, RESULT, FATAL = "ready", "result", "fatal"
 
 

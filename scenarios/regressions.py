@@ -33,13 +33,19 @@ def regressions() -> list[Scenario]:
                  layout="zigzag", entropy_coef=0.1, seed=206,
                  description="zigzag CP, responses starting on the first row of a CP chunk, with and without "
                  "zigzag padding (a length-dependent off-by-one)"),
+        Scenario("thd-one-device-edges", (Sample(23, 9), Sample(2, 1), Sample(9, 8)), vocab=37, entropy_coef=0.1,
+                 log_probs_chunk_size=4, temperature=0.7, seed=207,
+                 description="one device, packed: prompt 1, response 1, a chunk that does not divide the rows, "
+                 "temperature (what a target without parallel code can run: tp 1, cp 1, thd)"),
     ]
 
 
 @suite
 def replay() -> list[Scenario]:
-    """replayed keep sets (top-p / top-k replay) in every layout, at tp 2"""
+    """replayed keep sets (top-p / top-k replay) in every layout, at tp 2 (and one on one device)"""
     return [
+        Scenario("replay-thd-one-device", (Sample(21, 11), Sample(6, 5)), vocab=24, entropy_coef=0.1,
+                 temperature=0.9, replay_keep=True, seed=25),
         Scenario("replay-thd-tp2", (Sample(23, 12), Sample(14, 8)), vocab=32, tp=2, entropy_coef=0.1,
                  replay_keep=True, seed=21),
         Scenario("replay-bshd-tp2", (Sample(17, 9), Sample(12, 11)), vocab=32, tp=2, layout="bshd",

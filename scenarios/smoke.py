@@ -7,7 +7,10 @@ Per (layout, tp, cp), four scenarios:
   chunk size that does not divide the local row count;
 - ``long-prompt``: long prompts with short responses, so some CP rank holds no response token at
   all (zigzag: an empty share; all-gather: empty local slices), entropy_coef 0;
-- ``many``: many short samples, no entropy, chunk size 1.
+- ``many``: many short samples, no entropy, chunk size 1;
+- ``replay``: replayed top-p / top-k keep sets (processed log-probs, slime's definition: the
+  log-prob renormalised over the set, the target always kept, the entropy over the whole
+  vocabulary), with a response whose first scored row starts a CP chunk at cp 2 and at cp 4.
 A few more try half precision and larger vocabularies.
 """
 
@@ -31,11 +34,12 @@ def _samples(*pairs: tuple[int, int]) -> tuple[Sample, ...]:
 
 
 def _grid() -> list[Scenario]:
-    out = []
+    out, cell = [], 0
     for layout, pairs in TP_CP.items():
         for tp, cp in pairs:
             tag = f"{layout}-tp{tp}cp{cp}"
-            seed = len(out)
+            seed = 4 * cell  # the seeds smoke had before replay, so the others kept their data
+            cell += 1
             out += [
                 Scenario(f"{tag}-basic", _samples((23, 9), (14, 6)), vocab=64, tp=tp, cp=cp, layout=layout,
                          entropy_coef=0.1, temperature=0.8, seed=seed,
@@ -49,6 +53,10 @@ def _grid() -> list[Scenario]:
                 Scenario(f"{tag}-many", _samples(*[(4 + i % 5, 1 + i % 3) for i in range(12)]), vocab=32,
                          tp=tp, cp=cp, layout=layout, with_entropy=False, log_probs_chunk_size=1,
                          seed=seed + 3, description="twelve short samples, no entropy, chunk 1"),
+                # 32 tokens, prompt 9: the first scored row, 8, starts a zigzag chunk at cp 2 and cp 4
+                Scenario(f"{tag}-replay", _samples((32, 23), (17, 9), (5, 1)), vocab=32, tp=tp, cp=cp,
+                         layout=layout, entropy_coef=0.1, log_probs_chunk_size=5, replay_keep=True,
+                         seed=1000 + seed, description="replayed keep sets (top-p / top-k), every edge"),
             ]
     return out
 

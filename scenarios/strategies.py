@@ -254,13 +254,15 @@ def scenarios(
     entropy: _Choice = None,
     dtype: _Choice = "float32",
     seed: _Choice = None,
+    replay_keep: _Choice = False,
     min_samples: int = 1,
     max_samples: int = MAX_SAMPLES,
     max_total: int = MAX_TOTAL,
     name: str = "fuzz",
 ) -> SearchStrategy[Scenario]:
     """Valid scenarios. Each of tp (default 1, 2), cp (default 1, 2), layout, vocab, chunk_size,
-    temperature, entropy ((with_entropy, entropy_coef) pairs), dtype and seed may be one value,
+    temperature, entropy ((with_entropy, entropy_coef) pairs), dtype, seed and replay_keep
+    (whether samples carry replayed top-p / top-k keep sets; default False) may be one value,
     several (the first is where shrinking heads) or a strategy. ``ranks``: only (tp, cp) with
     tp * cp dividing it, so every scenario fits a world of that many ranks. Only vocab sizes tp
     divides are drawn. Default chunk sizes are coarsened to at most MAX_CHUNKS chunks per rank;
@@ -268,12 +270,14 @@ def scenarios(
     BadInput here, not a rejection of every example later."""
     values = {key: _as_values(value, default) for key, value, default in (
         ("tp", tp, TPS), ("cp", cp, CPS), ("layout", layout, LAYOUTS), ("vocab", vocab, ()),
-        ("chunk_size", chunk_size, CHUNK_SIZES), ("entropy", entropy, ENTROPY), ("dtype", dtype, DTYPES))}
+        ("chunk_size", chunk_size, CHUNK_SIZES), ("entropy", entropy, ENTROPY), ("dtype", dtype, DTYPES),
+        ("replay_keep", replay_keep, (False, True)))}
     if vocab is None:
         values["vocab"] = None  # drawn per tp (vocabs), always divisible
     _check(values, ranks, min_samples, max_samples, max_total)
     return _scenarios(tp=tp, cp=cp, layout=layout, vocab=vocab, ranks=ranks, chunk_size=chunk_size,
-                      temperature=temperature, entropy=entropy, dtype=dtype, seed=seed, min_samples=min_samples,
+                      temperature=temperature, entropy=entropy, dtype=dtype, seed=seed, replay_keep=replay_keep,
+                      min_samples=min_samples,
                       max_samples=max_samples, max_total=max_total, name=name, layout_values=values["layout"],
                       cp_values=values["cp"], vocab_values=values["vocab"])
 
@@ -281,7 +285,7 @@ def scenarios(
 @st.composite
 def _scenarios(draw: Any, *, tp: _Choice, cp: _Choice, layout: _Choice, vocab: _Choice, ranks: int | None,
                chunk_size: _Choice, temperature: _Choice, entropy: _Choice, dtype: _Choice, seed: _Choice,
-               min_samples: int, max_samples: int, max_total: int, name: str,
+               replay_keep: _Choice, min_samples: int, max_samples: int, max_total: int, name: str,
                layout_values: tuple[str, ...] | None, cp_values: tuple[int, ...] | None,
                vocab_values: tuple[int, ...] | None) -> Scenario:
     t = draw(_choices(tp, TPS))
@@ -315,6 +319,7 @@ def _scenarios(draw: Any, *, tp: _Choice, cp: _Choice, layout: _Choice, vocab: _
         entropy_coef=coef, log_probs_chunk_size=chunk, temperature=draw(_choices(temperature, TEMPERATURES)),
         dtype=draw(_choices(dtype, DTYPES)),
         seed=draw(_choices(seed, ()) if seed is not None else st.integers(0, 2**16)),
+        replay_keep=draw(_choices(replay_keep, (False, True))),
     )
 
 
@@ -342,6 +347,9 @@ def _check(values: dict[str, tuple | None], ranks: int | None, min_samples: int,
     for name in names or ():
         if name not in LAYOUTS:
             raise BadInput(f"layout {name!r} is not one of {', '.join(LAYOUTS)}")
+    for r in values["replay_keep"] or ():
+        if not isinstance(r, bool):
+            raise BadInput(f"replay_keep values must be true or false, got {r!r}")
     for d in values["dtype"] or ():
         if d not in DTYPES:
             raise BadInput(f"dtype {d!r} is not one of {', '.join(DTYPES)}")

@@ -8,6 +8,7 @@ skipped; ``--allow-all-skipped`` makes that 0), 130 interrupted (Ctrl-C), 143 te
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import subprocess
@@ -114,6 +115,14 @@ def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False) ->
                         "every rank gets a GPU, else gloo (default: auto)")
     p.add_argument("--slime-src", metavar="DIR",
                    help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
+    p.add_argument("--verl-src", metavar="DIR",
+                   help="verl source checkout for --target verl (or set SHARDCHECK_VERL_SRC)")
+    p.add_argument("--nemo-rl-src", metavar="DIR",
+                   help="NeMo-RL source checkout for --target nemo_rl (or set SHARDCHECK_NEMO_RL_SRC)")
+    p.add_argument("--target-src", metavar="DIR",
+                   help="a source checkout for the target, whichever it is (its factory's config.src)")
+    p.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                   help="an option for the target (repeatable; `shardcheck targets` lists each target's)")
     p.add_argument("--no-lockstep", action="store_true",
                    help="trace collectives without the lockstep check; a hang then lasts until --timeout")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
@@ -127,11 +136,44 @@ def _scenario_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario-file", metavar="FILE", help="JSON file with a scenario or a list of them")
 
 
-def _use_slime_src(args: argparse.Namespace) -> None:
-    if args.slime_src:
+def _use_target_config(args: argparse.Namespace) -> None:
+    """Put what the user gave the target where controller and ranks read it: the environment
+    (each rank is handed the controller's)."""
+    from shardcheck.targets.base import OPTS_ENV, SRC_ENV, TargetConfig
+
+    if getattr(args, "slime_src", None):
         from shardcheck.targets.slime import ENV, slime_source
 
-        os.environ[ENV] = str(slime_source(args.slime_src))  # the ranks inherit it
+        os.environ[ENV] = str(slime_source(args.slime_src))
+    for option, module in (("verl_src", "verl"), ("nemo_rl_src", "nemo_rl")):
+        if getattr(args, option, None):
+            checked = importlib.import_module(f"shardcheck.targets.{module}")
+            os.environ[checked.ENV] = str(checked.source(getattr(args, option)))
+    src = getattr(args, "target_src", None)
+    if src is not None and not os.path.isdir(src):
+        raise BadInput(f"--target-src {src!r} is not a directory")
+    config = TargetConfig(os.path.abspath(src) if src else None, tuple(getattr(args, "target_opt", None) or ()))
+    for key in (SRC_ENV, OPTS_ENV):  # the command line decides, not a value left in the shell
+        os.environ.pop(key, None)
+    os.environ.update(config.to_environment())
+
+
+def _target_args(args: argparse.Namespace) -> list[str]:
+    """The target's options as the user gave them, to repeat a run."""
+    out: list[str] = []
+    for option in ("slime_src", "verl_src", "nemo_rl_src", "target_src"):
+        if getattr(args, option, None):
+            out += [f"--{option.replace('_', '-')}", getattr(args, option)]
+    for key, value in getattr(args, "target_opt", None) or ():
+        out += ["--target-opt", f"{key}={value}"]
+    return out
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
 
 
 def _int_list(text: str) -> list[int]:
@@ -237,7 +279,7 @@ def _run(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller.report import JsonReport, Reporters, TerminalReport
 
     _check_world_options(args)
-    _use_slime_src(args)
+    _use_target_config(args)
     scenarios = _select(args)
     _check_world_options(args, scenarios)
     json_report = _json_report(args, JsonReport)
@@ -258,7 +300,7 @@ def _invariance(args: argparse.Namespace) -> int:
     _check_world_options(args)
     axes = check_axes(args.axis) if args.axis else list(AXES)
     expect = parse_expect(args.expect)
-    _use_slime_src(args)
+    _use_target_config(args)
     scenarios = _select(args)
     _check_world_options(args, scenarios, axes)
     report = _json_report(args, InvarianceJson)
@@ -296,7 +338,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     from shardcheck.scenarios import write_scenario_file
 
     _check_world_options(args)
-    _use_slime_src(args)
+    _use_target_config(args)
     out = args.out or fuzz.DEFAULT_OUT
     progress = Progress(quiet=args.quiet)
 
@@ -327,7 +369,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
         written = out
-        replay = replay_command(args.target, out, args.slime_src)
+        replay = replay_command(args.target, out, _target_args(args))
     print(summary(result, written, replay, minimal), flush=True)
     return result.exit_code
 
@@ -388,4 +430,6 @@ def _targets() -> int:
         print(f"{t['name']:<10} {t['description']}")
         for v in t["variants"]:
             print(f"  {t['name'] + ':' + v:<36} {t.get('variant_docs', {}).get(v, '')}")
+        for key, doc in sorted(t.get("options", {}).items()):
+            print(f"  {'--target-opt ' + key + '=...':<36} {doc}")
     return EXIT_OK

@@ -40,6 +40,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--shardcheck-target", default=None, metavar="SPEC",
                     help="target the shardcheck fixture checks: NAME, NAME:VARIANT or module:callable "
                          "(default: $SHARDCHECK_TARGET or builtin)")
+    group.addoption("--shardcheck-target-src", default=None, metavar="DIR",
+                    help="a source checkout for the target (as shardcheck run --target-src)")
+    group.addoption("--shardcheck-target-opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option for the target, repeatable (as shardcheck run --target-opt)")
     group.addoption("--shardcheck-backend", default="auto", choices=("auto", "gloo", "nccl"),
                     help="torch.distributed backend (default auto: nccl with one GPU per rank, else gloo)")
     group.addoption("--shardcheck-nproc", type=int, default=None, metavar="N",
@@ -154,15 +158,35 @@ def shardcheck_world(request: pytest.FixtureRequest) -> Any:
         world.close()
 
 
+def _use_target_config(src: str | None, pairs: list[str]) -> None:
+    """As ``shardcheck run --target-src/--target-opt``: into the environment, where the world's
+    ranks read it with each scenario."""
+    from shardcheck.errors import BadInput
+    from shardcheck.targets.base import TargetConfig
+
+    options = []
+    for text in pairs:
+        key, eq, value = text.partition("=")
+        if not eq or not key.strip():
+            raise BadInput(f"--shardcheck-target-opt: expected KEY=VALUE, got {text!r}")
+        options.append((key.strip(), value))
+    if src is not None and not os.path.isdir(src):
+        raise BadInput(f"--shardcheck-target-src {src!r} is not a directory")
+    if src is not None or options:
+        os.environ.update(TargetConfig(os.path.abspath(src) if src else None, tuple(options)).to_environment())
+
+
 @pytest.fixture(scope="session")
 def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
     """Check scenarios against the session's target on the session's world."""
     from shardcheck.errors import BadInput
     from shardcheck.targets import resolve
 
-    target = request.config.getoption("--shardcheck-target") or os.environ.get("SHARDCHECK_TARGET") or "builtin"
+    opt = request.config.getoption
+    target = opt("--shardcheck-target") or os.environ.get("SHARDCHECK_TARGET") or "builtin"
     try:
-        resolve(target)  # a bad spec is one line, once, before any rank starts
+        _use_target_config(opt("--shardcheck-target-src"), opt("--shardcheck-target-opt"))
+        resolve(target)  # a bad spec or option is one line, once, before any rank starts
     except BadInput as exc:
         pytest.exit(f"shardcheck: {exc}", returncode=2)
     return ShardcheckSession(request.getfixturevalue("shardcheck_world"), target)

@@ -3,21 +3,31 @@
 A target spec is ``NAME`` or ``NAME:VARIANT`` for a target registered in the
 ``shardcheck.targets`` entry-point group (shardcheck's own register there too), or
 ``package.module:callable`` for any importable factory (called with no arguments) or instance.
+
+Configuration (one hook for every target, built in or plugin): ``--target-src DIR`` and
+``--target-opt KEY=VALUE`` become a :class:`TargetConfig`. A factory that takes a ``config``
+parameter is called with it (``factory(variant, config=...)`` for a registered one, or
+``factory(config=...)``); a factory that declares ``options = {KEY: help}`` has any other key
+refused. Giving either to a factory without a ``config`` parameter is refused too: nothing
+the user asked for is dropped silently. A registered factory's ``variants = {NAME: help}`` lists
+the ``NAME:VARIANT`` specs it builds (``shardcheck targets`` shows both).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, PolicyBatch, RankInputs, RankOutputs, Target, loss_form
+from shardcheck.targets.base import (Capabilities, PolicyBatch, RankInputs, RankOutputs, Target, TargetConfig,
+                                     loss_form)
 
 GROUP = "shardcheck.targets"
 
-__all__ = ["Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "available", "loss_form",
-           "resolve"]
+__all__ = ["Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "TargetConfig", "available",
+           "loss_form", "resolve"]
 
 
 def _registered() -> dict[str, Any]:
@@ -33,14 +43,21 @@ def available() -> list[dict[str, Any]]:
             doc = (factory.__doc__ or "").strip().splitlines()
             variants = sorted(getattr(factory, "variants", {}) or {})
             out.append({"name": name, "description": doc[0] if doc else "", "variants": variants,
-                        "variant_docs": dict(getattr(factory, "variants", {}) or {})})
+                        "variant_docs": dict(getattr(factory, "variants", {}) or {}),
+                        "options": dict(getattr(factory, "options", {}) or {})})
         except Exception as exc:  # a broken plugin must not hide the others
             out.append({"name": name, "description": f"(cannot load: {exc})", "variants": []})
     return out
 
 
-def resolve(spec: str) -> Target:
-    """The target a spec names; BadInput (one line) when it cannot be found or built."""
+def resolve(spec: str, config: TargetConfig | None = None) -> Target:
+    """The target a spec names, configured by ``config`` (default: the one in the environment);
+    BadInput (one line) when it cannot be found, configured or built."""
+    if config is None:
+        try:
+            config = TargetConfig.from_environment()
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
     if not spec or not isinstance(spec, str):
         raise BadInput("a target spec must be a non-empty string")
     head, _, tail = spec.partition(":")
@@ -53,7 +70,7 @@ def resolve(spec: str) -> Target:
         variants = getattr(factory, "variants", None)
         if tail and variants is not None and tail not in variants:
             raise BadInput(f"target {head!r} has no variant {tail!r} (known: {', '.join(sorted(variants))})")
-        return _build(spec, factory, tail or None)
+        return _build(spec, factory, tail or None, config)
     if not tail:
         known = ", ".join(sorted(registered)) or "none"
         raise BadInput(f"unknown target {spec!r} (registered: {known}; or give module:callable)")
@@ -66,16 +83,43 @@ def resolve(spec: str) -> Target:
         if not hasattr(obj, part):
             raise BadInput(f"target {spec!r}: {head!r} has no attribute {tail!r}")
         obj = getattr(obj, part)
-    return _build(spec, obj, None)
+    return _build(spec, obj, None, config)
 
 
-def _build(spec: str, obj: Any, variant: str | None) -> Target:
+def _takes_config(obj: Any) -> bool:
+    try:
+        return "config" in inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_config(spec: str, obj: Any, config: TargetConfig) -> bool:
+    """Whether to hand ``config`` to the factory; BadInput when the user gave what it cannot take."""
+    given = [name for name, there in (("--target-src", config.src), ("--target-opt", config.options)) if there]
+    if not _takes_config(obj) or _is_target(obj):
+        if given:
+            raise BadInput(f"target {spec!r} takes no {' or '.join(given)}")
+        return False
+    known = getattr(obj, "options", None)
+    if known is not None:
+        unknown = [k for k, _ in config.options if k not in known]
+        if unknown:
+            raise BadInput(f"target {spec!r} has no option {unknown[0]!r} "
+                           f"(known: {', '.join(sorted(known)) or 'none'})")
+    return True
+
+
+def _build(spec: str, obj: Any, variant: str | None, config: TargetConfig) -> Target:
     target = obj
+    with_config = _check_config(spec, obj, config)
     if not _is_target(obj):
         if not callable(obj):
             raise BadInput(f"target {spec!r} is neither a target nor a factory")
+        args = (variant,) if variant is not None else ()
         try:
-            target = obj(variant) if variant is not None else obj()
+            target = obj(*args, config=config) if with_config else obj(*args)
+        except BadInput:
+            raise
         except Exception as exc:
             raise BadInput(f"target {spec!r} could not be built: {type(exc).__name__}: {exc}") from None
     if not _is_target(target):

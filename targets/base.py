@@ -22,13 +22,17 @@ from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a target supports; ``reasons`` says why not ("entropy", "layout", "dtype" keys)."""
+    """What a target supports; ``reasons`` says why not ("entropy", "layout", "dtype", "tp", "cp",
+    "replay_keep" keys). ``tp_sizes``/``cp_sizes``: the sizes it runs at (None: any), so a target
+    without vocab-parallel or context-parallel code says ``tp_sizes=frozenset({1})``."""
 
     layouts: frozenset[str] = frozenset(LAYOUTS)
     entropy: bool = True
     dtypes: frozenset[str] = frozenset(DTYPES)
     # applies RankInputs.keep_sets (a replayed top-p / top-k keep set per response token)
     replay_keep: bool = False
+    tp_sizes: frozenset[int] | None = None
+    cp_sizes: frozenset[int] | None = None
     reasons: tuple[tuple[str, str], ...] = ()
 
     def skip_reason(self, scenario: Scenario) -> str | None:
@@ -41,9 +45,63 @@ class Capabilities:
         if scenario.dtype not in self.dtypes:
             return why.get("dtype") or (
                 f"dtype {scenario.dtype} not supported (supports {', '.join(sorted(self.dtypes))})")
+        for key, size, sizes in (("tp", scenario.tp, self.tp_sizes), ("cp", scenario.cp, self.cp_sizes)):
+            if sizes is not None and size not in sizes:
+                return why.get(key) or f"{key} {size} not supported (supports {', '.join(map(str, sorted(sizes)))})"
         if scenario.replay_keep and not self.replay_keep:
             return why.get("replay_keep") or "does not apply replayed keep sets (top-p / top-k replay)"
         return None
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """What a user gives a target besides its name: ``--target-src DIR`` (a source checkout) and
+    ``--target-opt KEY=VALUE`` (repeatable). A factory that takes a ``config`` argument gets it;
+    one that declares ``options = {KEY: help}`` has unknown keys refused (one line, exit 2).
+    Controller and ranks share it through the environment (:data:`SRC_ENV`, :data:`OPTS_ENV`),
+    as every rank is handed the controller's environment."""
+
+    src: str | None = None
+    options: tuple[tuple[str, str], ...] = ()
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.options).get(key, default)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        """A yes/no option: 1/true/yes/on or 0/false/no/off; ValueError for anything else."""
+        value = self.get(key)
+        if value is None:
+            return default
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"option {key}={value!r}: expected true or false")
+
+    def to_environment(self) -> dict[str, str]:
+        import json
+
+        env = {OPTS_ENV: json.dumps([list(kv) for kv in self.options])} if self.options else {}
+        if self.src is not None:
+            env[SRC_ENV] = self.src
+        return env
+
+    @classmethod
+    def from_environment(cls, environ: Any = None) -> "TargetConfig":
+        import json
+        import os
+
+        environ = os.environ if environ is None else environ
+        raw = environ.get(OPTS_ENV)
+        try:
+            pairs = tuple((str(k), str(v)) for k, v in json.loads(raw)) if raw else ()
+        except (ValueError, TypeError):
+            raise ValueError(f"{OPTS_ENV} is not a JSON list of [key, value] pairs: {raw!r}") from None
+        return cls(environ.get(SRC_ENV) or None, pairs)
+
+
+SRC_ENV = "SHARDCHECK_TARGET_SRC"
+OPTS_ENV = "SHARDCHECK_TARGET_OPTS"
 
 
 @dataclass
@@ -93,6 +151,32 @@ class RankInputs:
     # per sample, per response token (all of them, not the rank's share): the ids the rollout's
     # sampler kept, or None where none was recorded; None when the scenario replays none
     keep_sets: list[list[tuple[int, ...] | None]] | None = None
+
+    def row_labels(self) -> torch.Tensor:
+        """The next token each local logit row predicts, rows flattened (``logits.view(-1, V/tp)``;
+        bshd: batch row after batch row); 0 where a row predicts none (a sample's last row,
+        padding). On the logits' device."""
+        from shardcheck.harness.rank import shard
+
+        return shard.local_row_targets(self.rank_layout, self.tokens).to(self.logits.device)
+
+    def scored_rows(self) -> list[torch.Tensor] | None:
+        """Per sample, the flattened local rows that score this rank's share of the response, in
+        the order the outputs take; None when some of the share is scored on another rank
+        (all-gather CP: see :meth:`held_rows`)."""
+        from shardcheck.harness.rank import shard
+
+        rows = shard.local_share_rows(self.rank_layout)
+        return None if rows is None else [r.to(self.logits.device) for r in rows]
+
+    def held_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sample, the response tokens this rank's own rows score: (flattened local rows,
+        response token indices), in position order. With all-gather CP these are the rank's
+        contiguous slice, which the target must redistribute to the share it returns."""
+        from shardcheck.harness.rank import shard
+
+        device = self.logits.device
+        return [(rows.to(device), tokens.to(device)) for rows, tokens in shard.local_held_rows(self.rank_layout)]
 
     @property
     def allgather_cp(self) -> bool:

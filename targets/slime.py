@@ -39,13 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
 from shardcheck.targets.passthrough import Recorder
 
 ENV = "SHARDCHECK_SLIME_SRC"
 LOSS_MODULE = "slime.backends.megatron_utils.loss"
 LOSS_FILE = Path("slime/backends/megatron_utils/loss.py")
 STUBBABLE = ("httpx", "ray", "sglang", "wandb", "tensorboard", "transformers", "datasets", "deep_ep")
+
+
+def source(src: str | None = None) -> Path:
+    """The checkout named by ``src`` (``--slime-src``/``--target-src``) or SHARDCHECK_SLIME_SRC."""
+    return slime_source(src)
 
 
 def slime_source(src: str | None = None) -> Path:
@@ -178,8 +183,8 @@ class SlimeTarget:
     name = "slime"
     loss_form_passes_keep_sets = True  # this entry point hands slime the replayed keep sets
 
-    def __init__(self) -> None:
-        self.src = slime_source()
+    def __init__(self, src: str | None = None) -> None:
+        self.src = slime_source(src)
         self.era = detect_era(self.src)
         self.commit = os.environ.get("SHARDCHECK_SLIME_COMMIT") or _commit(self.src)
         layouts = {"thd", "zigzag"} | ({"allgather"} if self.era["allgather_cp"] else set()) | (
@@ -353,15 +358,17 @@ class SlimePolicyLossTarget(SlimeTarget):
         return get_sum_of_sample_mean(inputs.total_lengths, inputs.response_lengths, masks, **kwargs)
 
 
-def target(variant: str | None = None) -> SlimeTarget:
-    """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src or SHARDCHECK_SLIME_SRC)
+def target(variant: str | None = None, config: TargetConfig | None = None) -> SlimeTarget:
+    """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src, --target-src or SHARDCHECK_SLIME_SRC)
 
     With the variant ``policy_loss``, its policy_loss_function instead."""
+    src = config.src if config is not None else None
     if variant is None:
-        return SlimeTarget()
+        return SlimeTarget(src)
     if variant == "policy_loss":
-        return SlimePolicyLossTarget()
+        return SlimePolicyLossTarget(src)
     raise BadInput(f"target 'slime' has no variant {variant!r} (known: policy_loss)")
 
 
+target.options = {}  # type: ignore[attr-defined]
 target.variants = {"policy_loss": " ".join((SlimePolicyLossTarget.__doc__ or "").split())}  # type: ignore[attr-defined]

@@ -512,3 +512,52 @@ class WithoutReplayKeep(BuiltinTarget):
 
     name = "plants:WithoutReplayKeep"
     capabilities = BuiltinTarget.capabilities.__class__()
+
+
+class OneDevice:
+    """a target without parallel code, as OpenRLHF's log_probs_from_logits is: a plain log-softmax
+    on one device's logits (tp 1, cp 1), labels and rows from the public helpers"""
+
+    name = "plants:one_device"
+
+    def __init__(self, config) -> None:
+        from shardcheck.targets import Capabilities
+
+        self.config = config
+        self.capabilities = Capabilities(
+            layouts=frozenset({"thd", "bshd"}), tp_sizes=frozenset({1}), cp_sizes=frozenset({1}),
+            entropy=config.flag("entropy", True), dtypes=frozenset({"float32"}), replay_keep=True,
+            reasons=(("tp", "no vocab-parallel code: one device's logits"), ("cp", "no context-parallel code")))
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": "0", "src": self.config.src, "options": dict(self.config.options)}
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        rows = inputs.logits.reshape(-1, inputs.logits.size(-1)).float() / inputs.temperature
+        labels = inputs.row_labels()
+        if self.config.flag("shift_labels"):  # the planted bug: the labels one row late
+            labels = labels.roll(1)
+        logp = torch.log_softmax(rows, -1)
+        token_logp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        share = inputs.scored_rows()
+        if inputs.keep_sets is not None:  # processed: renormalised over the kept ids and the label
+            keep = torch.zeros_like(rows, dtype=torch.bool)
+            for r, sets in zip(share, inputs.keep_sets):
+                for row, kept in zip(r.tolist(), sets):
+                    keep[row, list(kept) if kept is not None else slice(None)] = True
+            keep[torch.arange(len(labels)), labels] = True
+            processed = torch.log_softmax(rows.masked_fill(~keep, float("-inf")), -1)
+            token_logp = processed.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return RankOutputs([token_logp[r] for r in share],
+                           [entropy[r] for r in share] if inputs.with_entropy else None)
+
+
+def one_device(config=None) -> OneDevice:
+    from shardcheck.targets import TargetConfig
+
+    return OneDevice(config or TargetConfig())
+
+
+one_device.options = {"entropy": "compute the entropy (default true)",
+                      "shift_labels": "take each row's label one row late (a planted bug)"}

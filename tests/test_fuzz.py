@@ -204,6 +204,22 @@ def test_api_on_a_shared_world_finds_nothing_in_the_correct_target(world2):
 
 
 @pytest.mark.world
+def test_the_fuzzer_draws_replayed_keep_sets_when_the_target_applies_them(world2):
+    """keep_ids_unshifted only goes wrong on scenarios with keep sets at tp > 1: found only
+    because the fuzzer draws them for a target whose capabilities say it applies them."""
+    result = fuzz.fuzz("builtin:keep_ids_unshifted", max_examples=60, seed=1, tp=(2,), cp=(1,), world=world2,
+                       database=None)
+    assert result.failure is not None and result.failure.scenario.replay_keep
+    assert {"value_mismatch", "grad_mismatch"} & set(result.failure.kinds)
+
+
+@PURE
+@given(scenarios(replay_keep=True, max_samples=2))
+def test_replay_keep_is_drawn_when_asked(sc):
+    assert sc.replay_keep
+
+
+@pytest.mark.world
 def test_a_found_failure_is_tried_first_next_time(world2, tmp_path):
     db = str(tmp_path / "db")
     first = fuzz.fuzz(MUTANT, max_examples=60, seed=0, layouts=["zigzag"], world=world2, database=db)

@@ -94,10 +94,13 @@ def test_with_xdist_workers_each_own_a_world(tmp_path):
     assert f"{len(SCENARIOS)} passed" in proc.stdout
 
 
-def test_a_bad_target_stops_the_session_with_one_line(tmp_path):
+@pytest.mark.parametrize("args, fragment", [
+    (["--shardcheck-target", "no_such_module:thing"], "cannot import 'no_such_module'"),
+    (["--shardcheck-target-opt", "chunk=4"], "target 'builtin' takes no --target-opt"),
+])
+def test_a_bad_target_stops_the_session_with_one_line(tmp_path, args, fragment):
     project = _project(tmp_path)
-    proc = _pytest(project, "-m", "multigpu", "-q", "--shardcheck-target", "no_such_module:thing",
-                   "--shardcheck-nproc", "1", timeout=120)
+    proc = _pytest(project, "-m", "multigpu", "-q", *args, "--shardcheck-nproc", "1", timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:]
-    assert "cannot import 'no_such_module'" in proc.stdout + proc.stderr
+    assert fragment in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr

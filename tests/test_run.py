@@ -33,7 +33,7 @@ def test_smoke_suite_passes_with_one_world_start(tmp_path):
     assert doc["complete"] is True
     assert len(doc["startup_seconds"]) == 1, "ranks must start once per run, not per scenario"
     assert doc["ranks"] == 4
-    assert "52 passed, 0 failed" in proc.stdout
+    assert "64 passed, 0 failed" in proc.stdout
 
 
 @pytest.mark.parametrize("layout,tp,cp", [("thd", 2, 1), ("zigzag", 1, 2)])

@@ -246,6 +246,12 @@ def fuzz(
         raise BadInput(f"target {target_spec!r} supports none of the layouts {asked}")
     dtype = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
     entropy = strategies.ENTROPY if caps.entropy else ((False, 0.0),)
+    replay_keep = (False, True) if caps.replay_keep else (False,)  # shrinking heads to no keep sets
+    tp = [t for t in tp if caps.tp_sizes is None or t in caps.tp_sizes]
+    cp = [c for c in cp if caps.cp_sizes is None or c in caps.cp_sizes]
+    if not tp or not cp:
+        raise BadInput(f"target {target_spec!r} runs at none of the {'tp' if not tp else 'cp'} sizes asked for "
+                       f"(it supports {sorted(caps.tp_sizes if not tp else caps.cp_sizes)})")
     size, pairs = plan_world(tp, cp, usable, world.nproc if world is not None else nproc)
     if world is None:
         backend, _ = choose_backend(backend, size)  # nccl that cannot be had: BadInput before the search
@@ -253,11 +259,11 @@ def fuzz(
     result = FuzzResult(target_spec, seed, size, pairs, usable)
     strategy = strategies.scenarios(
         tp=sorted({t for t, _ in pairs}), cp=sorted({c for _, c in pairs}), layout=usable, ranks=size,
-        entropy=entropy, dtype=dtype, max_samples=max_samples, max_total=max_total,
+        entropy=entropy, dtype=dtype, replay_keep=replay_keep, max_samples=max_samples, max_total=max_total,
     )
     active = world if world is not None else World(size, timeout=timeout, lockstep=lockstep, backend=backend)
     runs = _Search(result, target_spec, active, max_shrinks, progress)
-    namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy))
+    namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy, replay_keep))
     db = _Namespaced(DirectoryBasedExampleDatabase(database), namespace) if database is not None else None
     search = settings(
         max_examples=max_examples, deadline=None, database=db,

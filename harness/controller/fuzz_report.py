@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from typing import TextIO
 
 from shardcheck.harness.controller.fuzz import Event, FuzzResult
@@ -45,11 +46,10 @@ def header(target: str, seed: int, nproc: int, pairs: list[tuple[int, int]], lay
             f"layouts {','.join(layouts)}")
 
 
-def replay_command(target: str, path: str, slime_src: str | None = None) -> str:
-    cmd = ["shardcheck", "run", "--target", target, "--scenario-file", path]
-    if slime_src:
-        cmd += ["--slime-src", slime_src]
-    return shlex.join(cmd)
+def replay_command(target: str, path: str, target_args: Sequence[str] = ()) -> str:
+    """The command that runs the written scenario again, with the target's own options
+    (``target_args``: its sources and ``--target-opt``s, as given)."""
+    return shlex.join(["shardcheck", "run", "--target", target, "--scenario-file", path, *target_args])
 
 
 def summary(result: FuzzResult, written: str | None, replay: str | None, minimal: Scenario | None) -> str:

@@ -236,7 +236,7 @@ class World:
         for r, conn in enumerate(self._conns):
             try:
                 conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq,
-                                       checks=checks.to_wire()))
+                                       checks=checks.to_wire(), settings=wire.target_settings()))
             except OSError:  # BrokenPipe: the rank is gone
                 self._died_idle(r)
                 return False

@@ -78,6 +78,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
             break
         if name == wire.RUN:
             checks = wire.Checks.from_wire(kwargs["checks"])
+            wire.apply_settings(kwargs.get("settings", {}))
             result = runner.run(kwargs["scenario"], kwargs["target"], kwargs["seq"], checks)
             conn.send(wire.message(wire.RESULT, **result.to_wire()))
     try:
@@ -172,24 +173,26 @@ class RankRunner:
         self.rank = rank
         self.lockstep = lockstep
         self.device = device
-        self._targets: dict[str, Any] = {}
-        self._current: str | None = None
+        self._targets: dict[Any, Any] = {}
+        self._current: Any = None
 
     def target(self, spec: str) -> Any:
-        """The target for ``spec``, resolved once. Moving to another target first undoes what
-        the previous one set process-wide (``release()``: slime's stubs, its env and sys.path),
-        so the next target runs in the process it would have had alone."""
-        if self._current not in (None, spec):
+        """The target for ``spec`` and its settings (the ``SHARDCHECK_*`` environment the
+        controller handed over: a checkout, ``--target-opt``s), resolved once. Moving to another
+        target first undoes what the previous one set process-wide (``release()``: slime's stubs,
+        its env and sys.path), so the next target runs in the process it would have had alone."""
+        key = (spec, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SHARDCHECK_"))))
+        if self._current not in (None, key):
             previous = self._targets.get(self._current)
             if previous is not None and hasattr(previous, "release"):
                 previous.release()
-                del self._targets[self._current]
-        self._current = spec
-        if spec not in self._targets:
+            self._targets.pop(self._current, None)
+        self._current = key
+        if key not in self._targets:
             from shardcheck.targets import resolve
 
-            self._targets[spec] = resolve(spec)
-        return self._targets[spec]
+            self._targets[key] = resolve(spec)
+        return self._targets[key]
 
     def close(self) -> None:
         """Leave the process as it was before the first scenario: targets released, the trace's
@@ -258,9 +261,9 @@ class RankRunner:
             self._stop(what)
         finally:
             calls = trace.stop()
-        if not described and target in self._targets:  # a failed run still names what it ran
-            try:
-                described = self._targets[target].describe()
+        if not described and self._current in self._targets and self._current[0] == target:
+            try:  # a failed run still names what it ran
+                described = self._targets[self._current].describe()
             except Exception:  # noqa: BLE001  (the report keeps the controller's description)
                 pass
         # Without lockstep a raise may leave peers mid-collective; with it, only a failure inside

@@ -160,3 +160,15 @@ def local_share_rows(layout: RankLayout) -> list[torch.Tensor] | None:
             return None
         out.append(torch.tensor(rows, dtype=torch.int64))
     return out
+
+
+def local_held_rows(layout: RankLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, (local rows, response token indices) of the response tokens this rank's own
+    rows score, in position order (all-gather CP: the rank's contiguous slice)."""
+    held: list[tuple[list[int], list[int]]] = [([], []) for _ in layout.scenario.samples]
+    for row, (stream, pos) in enumerate(layout.row_positions()):
+        j = layout.scored_token(stream, pos)
+        if j is not None:
+            held[stream][0].append(row)
+            held[stream][1].append(j)
+    return [(torch.tensor(r, dtype=torch.int64), torch.tensor(j, dtype=torch.int64)) for r, j in held]
