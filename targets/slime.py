@@ -86,6 +86,8 @@ def detect_era(src: Path) -> dict[str, Any]:
         "max_seq_lens": "max_seq_lens" in params,
         "allgather_cp": "allgather_cp" in text,
         "top_p_replay": "top_p_token_ids" in params,
+        # policy_loss_function hands the batch's rollout_top_p_token_ids on when rollout_top_p != 1
+        "policy_top_p_replay": "rollout_top_p_token_ids" in text,
         "entropy_grad_flag": next((f for f in ("with_entropy_grad", "need_entropy_grad") if f in text + ppo_text),
                                   None),
     }
@@ -181,7 +183,6 @@ class SlimeTarget:
     """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src / SHARDCHECK_SLIME_SRC)"""
 
     name = "slime"
-    loss_form_passes_keep_sets = True  # this entry point hands slime the replayed keep sets
 
     def __init__(self, src: str | None = None) -> None:
         self.src = slime_source(src)
@@ -191,18 +192,22 @@ class SlimeTarget:
             {"bshd"} if self.era["qkv_format"] else set())
         self.capabilities = Capabilities(
             layouts=frozenset(layouts), entropy=True, dtypes=frozenset({"float32"}),
-            replay_keep=bool(self.era.get("top_p_replay")) and self.loss_form_passes_keep_sets,
+            replay_keep=bool(self.era.get("top_p_replay")) and self.passes_keep_sets(),
             reasons=(("layout", f"slime at {(self.commit or '?')[:10]} has no such layout "
                                 f"(supports {', '.join(sorted(layouts))})"),
                      ("dtype", "slime asserts float32 logits"),
                      ("replay_keep", f"slime at {(self.commit or '?')[:10]} takes no top-p replay"
                       if not self.era.get("top_p_replay") else
-                      "top-p replay is not yet passed through this entry point")),
+                      f"slime at {(self.commit or '?')[:10]}: this entry point passes no top-p replay on")),
         )
         self._fn: Any = None
         self._undo: list[Any] = []
         self.stubs: list[str] = []
         self.missing_args: set[str] = set()
+
+    def passes_keep_sets(self) -> bool:
+        """Whether this entry point hands get_log_probs_and_entropy the replayed keep sets."""
+        return True
 
     def release(self) -> None:
         """Undo what importing slime set in this process (the rank moves to another target)."""
@@ -232,7 +237,9 @@ class SlimeTarget:
             allgather_cp=inputs.allgather_cp,
             entropy_coef=inputs.entropy_coef,
             qkv_format=inputs.qkv_format,
-            rollout_top_p=1.0,
+            # any value but 1 switches replay on where slime reads it (policy_loss_function); the
+            # sets themselves are what the rollout kept, whatever p it used
+            rollout_top_p=0.9 if inputs.keep_sets is not None else 1.0,
             context_parallel_size=inputs.cp_size,
             tensor_model_parallel_size=inputs.tp_size,
         )
@@ -292,7 +299,9 @@ class SlimePolicyLossTarget(SlimeTarget):
 
     name = "slime:policy_loss"
     loss_form = "policy"
-    loss_form_passes_keep_sets = False
+
+    def passes_keep_sets(self) -> bool:
+        return bool(self.era.get("policy_top_p_replay"))
 
     def _policy(self) -> tuple[Any, Any, Recorder]:
         if getattr(self, "_policy_fns", None) is None:
@@ -332,6 +341,12 @@ class SlimePolicyLossTarget(SlimeTarget):
         }
         if inputs.max_seq_lens is not None:
             batch["max_seq_lens"] = inputs.max_seq_lens
+        if inputs.keep_sets is not None:  # as slime's rollout stores them: ids and offsets per sample
+            from shardcheck.scenarios.keep import to_ids_offsets
+
+            pairs = [to_ids_offsets(sets) for sets in inputs.keep_sets]
+            batch["rollout_top_p_token_ids"] = [ids for ids, _ in pairs]
+            batch["rollout_top_p_token_offsets"] = [offsets for _, offsets in pairs]
         reducer = self._reducer(get_sum_of_sample_mean, inputs, masks)
         recorder.results.clear()
         loss, metrics = policy_loss_function(args, batch, inputs.logits, reducer)

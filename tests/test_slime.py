@@ -95,18 +95,19 @@ def test_policy_loss_is_a_variant_of_the_slime_target(tmp_path, cli_in_process):
 @pytest.mark.world
 def test_slime_applies_replayed_keep_sets_where_its_era_takes_them(tmp_path):
     """get_log_probs_and_entropy's top_p_token_ids / top_p_token_offsets (the adapter hands the
-    keep sets over in slime's own format): the replay suite passes where slime supports the
-    layout; the policy-loss entry point does not pass them yet and skips with the reason."""
-    report = tmp_path / "r.json"
-    proc = run_cli("run", "--target", "slime", "--suite", "replay", "--json-report", str(report))
-    doc = json.loads(report.read_text())
-    if not doc["target"]["era"].get("top_p_replay"):
-        pytest.skip("this slime commit takes no top-p replay")
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    verdicts = {v["name"]: v["verdict"] for v in doc["scenarios"]}
-    assert verdicts["replay-zigzag-tp2cp2"] == "pass" and verdicts["replay-thd-tp2"] == "pass", verdicts
-    proc = run_cli("run", "--target", "slime:policy_loss", "--suite", "replay", "--allow-all-skipped")
-    assert proc.returncode == 0 and "top-p replay is not yet passed through this entry point" in proc.stdout
+    keep sets over in slime's own format) and policy_loss_function (the batch's
+    rollout_top_p_token_ids/offsets, rollout_top_p != 1): the replay suite, whose truth is
+    renormalised over the sets, passes through both where slime supports the layout."""
+    for target in ("slime", "slime:policy_loss"):
+        report = tmp_path / "r.json"
+        proc = run_cli("run", "--target", target, "--suite", "replay", "--json-report", str(report))
+        doc = json.loads(report.read_text())
+        if not doc["target"]["era"].get("top_p_replay"):
+            pytest.skip("this slime commit takes no top-p replay")
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        verdicts = {v["name"]: v["verdict"] for v in doc["scenarios"]}
+        assert {verdicts[n] for n in ("replay-zigzag-tp2cp2", "replay-thd-tp2", "replay-allgather-tp2cp2",
+                                      "replay-thd-one-device")} == {"pass"}, (target, verdicts)
 
 
 @needs_slime
