@@ -60,8 +60,26 @@ class ScenarioData:
             s = self.scenario
             g = _generator(s.seed, "tokens", data_id(s, sample))
             total = s.samples[sample].total
-            self._token_cache[sample] = torch.randint(0, s.vocab, (total,), generator=g, dtype=torch.int64)
+            tokens = torch.randint(0, s.vocab, (total,), generator=g, dtype=torch.int64)
+            if s.sampling:  # each response token drawn from its row's filtered set
+                from shardcheck.scenarios.keep import draw_inside
+
+                prompt = s.samples[sample].prompt
+                tokens[prompt:] = torch.tensor(draw_inside(s.seed, data_id(s, sample), self._sampled(sample)))
+            self._token_cache[sample] = tokens
         return self._token_cache[sample].clone()
+
+    def _sampled(self, sample: int) -> list[tuple[int, ...]]:
+        """A sampling scenario's keep set of each response token, filtered from the logits (as
+        the scenario's dtype holds them) at the scenario's temperature."""
+        if sample not in self._keep_cache:
+            from shardcheck.scenarios.keep import sampling_keep
+
+            s = self.scenario
+            prompt, total = s.samples[sample].prompt, s.samples[sample].total
+            rows = self.logit_rows(sample, prompt - 1, total - 1).to(torch.float64) / s.temperature
+            self._keep_cache[sample] = sampling_keep(rows, s.top_k, s.top_p)
+        return self._keep_cache[sample]
 
     def keep_sets(self, sample: int) -> list[tuple[int, ...] | None] | None:
         """Per response token, the ids its sampler kept (None: none recorded); None for a
@@ -77,11 +95,12 @@ class ScenarioData:
         return list(self._keep_cache[sample])
 
     def keep_at(self, stream: int, pos: int) -> tuple[int, ...] | None:
-        """The keep set of the token row ``pos`` of ``stream`` predicts (None: unprocessed)."""
-        if stream >= len(self.scenario.samples) or not self.scenario.replay_keep:
+        """The keep set of the token row ``pos`` of ``stream`` predicts, replayed or filtered
+        from the logits (None: unprocessed)."""
+        if stream >= len(self.scenario.samples) or not self.scenario.processed:
             return None
         if stream not in self._keep_cache:
-            self.keep_sets(stream)
+            self._sampled(stream) if self.scenario.sampling else self.keep_sets(stream)
         sets = self._keep_cache[stream]  # read in place: this is asked once per row
         j = pos + 1 - self.scenario.samples[stream].prompt  # row pos predicts token pos + 1
         return sets[j] if 0 <= j < len(sets) else None

@@ -15,6 +15,8 @@ import hashlib
 import random
 from collections.abc import Sequence
 
+import torch
+
 KeepSets = list  # list[tuple[int, ...] | None], one entry per response token
 
 EDGES = ("target_only", "whole_vocab", "straddle", "without_target", "empty")
@@ -75,3 +77,31 @@ def check_keep_sets(sets: KeepSets, response: int, vocab: int, where: str) -> No
         for v in s or ():
             if not isinstance(v, int) or not 0 <= v < vocab:
                 raise ValueError(f"{where}: keep set {r} names token {v!r}, outside the vocabulary of {vocab}")
+
+
+def sampling_keep(s: torch.Tensor, top_k: int, top_p: float) -> list[tuple[int, ...]]:
+    """The keep set of each row of temperature-scaled logits ``s`` ``[rows, V]`` under a top-k
+    then top-p filter, as NeMo-RL's ``apply_top_k_top_p`` (after vLLM) defines it: top-k keeps
+    every logit at least the k-th largest; top-p then keeps, in ascending order of the filtered
+    distribution, the tokens whose cumulative probability exceeds 1 - p, and always the largest.
+    0 and 1.0 switch a filter off."""
+    s = s.to(torch.float64)
+    if top_k > 0:
+        kth = s.topk(top_k, dim=-1).values[..., -1:]
+        s = s.masked_fill(s < kth, float("-inf"))
+    keep = torch.isfinite(s)
+    if top_p < 1.0:
+        ascending, order = s.sort(dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        kept = cumulative > 1 - top_p
+        kept[..., -1] = True
+        keep = keep & torch.zeros_like(kept).scatter(-1, order, kept)
+    return [tuple(row.nonzero().flatten().tolist()) for row in keep]
+
+
+def draw_inside(seed: int, data_id: int, sets: Sequence[Sequence[int]]) -> list[int]:
+    """One token from each set, as a sampler would have drawn it (uniformly: which one does not
+    matter to a log-prob check, only that it was kept)."""
+    rng = random.Random(int.from_bytes(hashlib.blake2b(repr((seed, "sampled", data_id)).encode(),
+                                                       digest_size=8).digest(), "little"))
+    return [rng.choice(list(ids)) for ids in sets]

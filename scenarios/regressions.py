@@ -55,3 +55,23 @@ def replay() -> list[Scenario]:
         Scenario("replay-allgather-tp2cp2", (Sample(30, 14), Sample(19, 10)), vocab=32, tp=2, cp=2,
                  layout="allgather", replay_keep=True, seed=24),
     ]
+
+
+@suite
+def sampling() -> list[Scenario]:
+    """log-probs processed by a top-k / top-p filter of the logits (NeMo-RL's sampling definition)"""
+    return [
+        Scenario("sampling-thd-one-device", (Sample(21, 11), Sample(6, 5)), vocab=24, entropy_coef=0.1,
+                 temperature=0.9, top_k=5, top_p=0.9, seed=31),
+        Scenario("sampling-thd-tp2-topk", (Sample(23, 12), Sample(14, 8)), vocab=32, tp=2, top_k=4, seed=32),
+        Scenario("sampling-thd-tp2-topp", (Sample(23, 12), Sample(13, 8)), vocab=32, tp=2, top_p=0.7,
+                 temperature=1.3, seed=33),
+        Scenario("sampling-bshd-tp2", (Sample(17, 9), Sample(12, 11)), vocab=32, tp=2, layout="bshd", top_k=8,
+                 top_p=0.8, seed=34),
+        Scenario("sampling-zigzag-tp2cp2", (Sample(36, 17), Sample(20, 12)), vocab=32, tp=2, cp=2,
+                 layout="zigzag", entropy_coef=0.1, top_k=6, top_p=0.85, seed=35),
+        Scenario("sampling-zigzag-cp2-greedy", (Sample(24, 15), Sample(16, 3)), vocab=32, cp=2, layout="zigzag",
+                 top_k=1, seed=36, description="top-k 1: every log-prob is 0"),
+        Scenario("sampling-allgather-tp2cp2", (Sample(30, 14), Sample(18, 10)), vocab=32, tp=2, cp=2,
+                 layout="allgather", top_p=0.9, seed=37),
+    ]

@@ -56,6 +56,11 @@ class Scenario:
     # each response token carries the keep set the rollout's sampler kept (top-p / top-k replay,
     # scenarios.keep); its log-prob is renormalised over it, its entropy is not
     replay_keep: bool = False
+    # the keep set filtered from the logits themselves (NeMo-RL's / vLLM's top-k then top-p on
+    # the temperature-scaled logits, scenarios.keep.sampling_keep); 0 and 1.0: no filter. The
+    # response tokens are drawn from their row's set, as a sampler with these settings would
+    top_k: int = 0
+    top_p: float = 1.0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +73,9 @@ class Scenario:
         d = dataclasses.asdict(self)
         d["samples"] = [[s.total, s.response] + ([s.data_id] if s.data_id not in (None, i) else [])
                          for i, s in enumerate(self.samples)]
+        for name, off in (("top_k", 0), ("top_p", 1.0)):  # written only when on: older keys hold
+            if d[name] == off:
+                del d[name]
         return d
 
     @classmethod
@@ -100,6 +108,16 @@ class Scenario:
         d.pop("name")
         d.pop("description")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def sampling(self) -> bool:
+        """Whether log-probs are processed by a top-k / top-p filter of the logits."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the log-probs are renormalised over a keep set (replayed or filtered)."""
+        return self.replay_keep or self.sampling
 
     @property
     def ranks(self) -> int:
@@ -165,6 +183,13 @@ def validate(s: Scenario) -> None:
         raise bad(f"vocab {s.vocab} < 1")
     if not isinstance(s.replay_keep, bool):
         raise bad(f"replay_keep must be true or false, got {s.replay_keep!r}")
+    if not _is_int(s.top_k) or not 0 <= s.top_k <= s.vocab:
+        raise bad(f"top_k must be an integer in [0, vocab {s.vocab}] (0: no top-k), got {s.top_k!r}")
+    if isinstance(s.top_p, bool) or not isinstance(s.top_p, (int, float)) or not 0 < s.top_p <= 1:
+        raise bad(f"top_p must be a number in (0, 1] (1: no top-p), got {s.top_p!r}")
+    if s.replay_keep and (s.top_k > 0 or s.top_p < 1):
+        raise bad("replay_keep and top_k / top_p are two definitions of a processed log-prob (replayed sets, "
+                  "or sets filtered from the logits): give one")
     if s.tp < 1 or s.cp < 1:
         raise bad(f"tp and cp must be >= 1, got tp={s.tp} cp={s.cp}")
     if s.vocab % s.tp:

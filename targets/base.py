@@ -31,6 +31,8 @@ class Capabilities:
     dtypes: frozenset[str] = frozenset(DTYPES)
     # applies RankInputs.keep_sets (a replayed top-p / top-k keep set per response token)
     replay_keep: bool = False
+    # applies RankInputs.top_k / top_p (a top-k then top-p filter of the logits, NeMo-RL's)
+    sampling: bool = False
     tp_sizes: frozenset[int] | None = None
     cp_sizes: frozenset[int] | None = None
     reasons: tuple[tuple[str, str], ...] = ()
@@ -48,6 +50,8 @@ class Capabilities:
         for key, size, sizes in (("tp", scenario.tp, self.tp_sizes), ("cp", scenario.cp, self.cp_sizes)):
             if sizes is not None and size not in sizes:
                 return why.get(key) or f"{key} {size} not supported (supports {', '.join(map(str, sorted(sizes)))})"
+        if scenario.sampling and not self.sampling:
+            return why.get("sampling") or "applies no top-k / top-p filter to the logits (sampling scenarios)"
         if scenario.replay_keep and not self.replay_keep:
             return why.get("replay_keep") or "does not apply replayed keep sets (top-p / top-k replay)"
         return None
@@ -151,6 +155,10 @@ class RankInputs:
     # per sample, per response token (all of them, not the rank's share): the ids the rollout's
     # sampler kept, or None where none was recorded; None when the scenario replays none
     keep_sets: list[list[tuple[int, ...] | None]] | None = None
+    # the sampler's filter (scenarios with top_k / top_p): the log-prob is renormalised over the
+    # tokens a top-k then top-p filter of the temperature-scaled logits keeps; 0 and 1.0: off
+    top_k: int = 0
+    top_p: float = 1.0
 
     def row_labels(self) -> torch.Tensor:
         """The next token each local logit row predicts, rows flattened (``logits.view(-1, V/tp)``;

@@ -561,3 +561,40 @@ def one_device(config=None) -> OneDevice:
 
 one_device.options = {"entropy": "compute the entropy (default true)",
                       "shift_labels": "take each row's label one row late (a planted bug)"}
+
+
+class SamplingTp1(BuiltinTarget):
+    """a top-k then top-p filter of the logits written plainly in float32, for tp = cp = 1 thd:
+    each response token's log-prob renormalised over what the filter keeps"""
+
+    name = "plants:SamplingTp1"
+    capabilities = BuiltinTarget.capabilities.__class__(layouts=frozenset({"thd"}), sampling=True,
+                                                         tp_sizes=frozenset({1}))
+    filtered = True
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        rows = inputs.logits[0].float() / inputs.temperature
+        labels = inputs.row_labels()
+        if self.filtered:
+            s = rows.detach()
+            keep = torch.ones_like(s, dtype=torch.bool)
+            if inputs.top_k > 0:
+                keep &= s >= s.topk(inputs.top_k, dim=-1).values[:, -1:]
+            if inputs.top_p < 1:
+                ascending, order = s.masked_fill(~keep, float("-inf")).sort(dim=-1)
+                kept = ascending.softmax(-1).cumsum(-1) > 1 - inputs.top_p
+                kept[:, -1] = True
+                keep &= torch.zeros_like(kept).scatter(-1, order, kept)
+            rows = rows.masked_fill(~keep, float("-inf"))
+        logp = torch.log_softmax(rows, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        plain = inputs.logits[0].float() / inputs.temperature
+        entropy = -(torch.softmax(plain, -1) * torch.log_softmax(plain, -1)).sum(-1)
+        share = inputs.scored_rows()
+        return RankOutputs([logp[r] for r in share], [entropy[r] for r in share] if inputs.with_entropy else None)
+
+
+class SamplingIgnored(SamplingTp1):
+    """claims to apply the top-k / top-p filter, and does not"""
+
+    name = "plants:SamplingIgnored"
+    filtered = False

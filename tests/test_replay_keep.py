@@ -44,3 +44,52 @@ def test_builtin_applies_the_keep_sets_in_every_layout(world):
     assert {sc.layout for sc in scenarios} == {"thd", "bshd", "zigzag", "allgather"} and len(scenarios) >= 8
     result = runner.run(scenarios, "builtin", reporter=SilentReport(), world=world)
     assert [v.headline() for v in result.verdicts if v.status != "pass"] == []
+
+
+# -- the sampling definition: keep sets filtered from the logits (NeMo-RL's top-k / top-p) --------
+
+def test_sampling_sets_follow_the_filter_and_the_tokens_are_drawn_inside():
+    import torch
+
+    from shardcheck.scenarios.data import ScenarioData
+    from shardcheck.scenarios.keep import sampling_keep
+
+    s = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.0, 5.0, 0.1]])
+    assert sampling_keep(s, 2, 1.0) == [(0, 2), (2, 3)]
+    assert sampling_keep(s, 0, 0.5) == [(0,), (2,)]  # the largest alone holds more than half
+    assert sampling_keep(s, 0, 0.95) == [(0, 1, 2), (2,)]  # 5 holds 0.98 of its row
+    assert sampling_keep(s, 1, 0.99) == [(0,), (2,)]
+    sc = Scenario("s", (Sample(30, 20),), vocab=16, top_k=3, top_p=0.8, temperature=0.7, seed=3)
+    data = ScenarioData(sc)
+    tokens = data.tokens(0)
+    for j in range(20):
+        kept = data.keep_at(0, 9 + j)  # row prompt - 1 + j scores response token j
+        assert 1 <= len(kept) <= 3 and int(tokens[10 + j]) in kept
+    assert data.keep_sets(0) is None  # targets filter the logits themselves: no sets are handed over
+
+
+def test_sampling_fields_are_validated_and_written_only_when_on():
+    assert "top_k" not in REPLAY.to_dict() and "top_p" not in REPLAY.to_dict()
+    sc = Scenario("s", (Sample(8, 3),), vocab=8, top_k=2)
+    assert Scenario.from_dict(sc.to_dict()) == sc and sc.to_dict()["top_k"] == 2 and sc.sampling
+    for field, value, fragment in (("top_k", 9, "top_k must be an integer in [0, vocab 8]"),
+                                   ("top_p", 0.0, "top_p must be a number in (0, 1]"),
+                                   ("top_p", True, "top_p must be a number in (0, 1]")):
+        with pytest.raises(BadInput, match=fragment.replace("[", r"\[").replace("(", r"\(")):
+            Scenario.from_dict(dict(sc.to_dict(), **{field: value}))
+    with pytest.raises(BadInput, match="two definitions of a processed log-prob"):
+        Scenario("s", (Sample(8, 3),), vocab=8, top_p=0.5, replay_keep=True)
+
+
+@pytest.mark.world
+def test_the_sampling_truth_is_met_by_a_plain_filter_and_missed_without_it(world):
+    from shardcheck.scenarios import get_suite
+
+    [one] = [s for s in get_suite("sampling") if s.name == "sampling-thd-one-device"]
+    [v] = runner.run([one], "plants:SamplingTp1", reporter=SilentReport(), world=world).verdicts
+    assert v.status == "pass", v.headline()
+    [v] = runner.run([one], "plants:SamplingIgnored", reporter=SilentReport(), world=world).verdicts
+    assert v.status == "fail" and {"value_mismatch", "grad_mismatch"} <= set(v.kinds), v.headline()
+    assert not any(f.field == "entropy" for f in v.failures)
+    [v] = runner.run([one], "builtin", reporter=SilentReport(), world=world).verdicts
+    assert v.status == "skip" and v.reason == "applies no top-k / top-p filter to the logits (sampling scenarios)"

@@ -333,6 +333,8 @@ class RankRunner:
             rank_layout=layout,
             policy=shard.policy_batch(data, layout) if form == "policy" else None,
             keep_sets=[data.keep_sets(i) for i in range(len(sc.samples))] if sc.replay_keep else None,
+            top_k=sc.top_k,
+            top_p=float(sc.top_p),
         )
         guard = guard_inputs(self.rank, layout, data, inputs, leaf) if inplace else InputGuard(self.rank)
         # explaining: anomaly mode makes torch record each autograd node's forward stack, so a

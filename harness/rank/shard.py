@@ -27,7 +27,7 @@ class PieceRows:
 
     def keep(self) -> dict[int, tuple[int, ...]] | None:
         """The reference's keep sets of these rows, by row (None: the scenario replays none)."""
-        if not self.data.scenario.replay_keep:
+        if not self.data.scenario.processed:
             return None
         out = {}
         for p, base in zip(self.pieces, self.starts):
