@@ -62,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. packing=bitwise,tp=ulp:8)")
     v.add_argument("--json-report", metavar="FILE", help="write the matrix here, updated after every base scenario")
     v.add_argument("--nproc", type=int, default=None, help="ranks in the world (default: 4, or more if a scenario needs)")
-    b = sub.add_parser("bisect", help="find the first slime commit where a suite's verdict changes")
-    b.add_argument("--target", default="slime", help="a target that reads SHARDCHECK_SLIME_SRC (default: slime)")
-    b.add_argument("--slime-repo", required=True, metavar="GIT_DIR", help="a slime git repository (only read)")
+    b = sub.add_parser("bisect", help="find the first commit of a target's source where a suite's verdict changes")
+    b.add_argument("--target", default="slime",
+                   help="a target that takes --target-src: slime, slime:policy_loss, verl, nemo_rl, ... (default: slime)")
+    b.add_argument("--src-repo", "--slime-repo", dest="src_repo", required=True, metavar="GIT_DIR",
+                   help="the target's git repository, e.g. a clone of THUDM/slime (only read)")
+    b.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                   help="an option for the target (repeatable)")
     b.add_argument("--good", required=True, metavar="REV", help="the older commit")
     b.add_argument("--bad", required=True, metavar="REV", help="the newer commit")
     b.add_argument("--suite", default="regressions", help="the suite to run at each commit (default: regressions)")
@@ -378,20 +382,24 @@ def _bisect(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller.bisect import bisect
     from shardcheck.harness.controller.report import TerminalReport, render_table
 
+    from shardcheck.targets.base import OPTS_ENV, TargetConfig
+
     args.scenario_file = None
     scenarios = _select(args)
+    os.environ.pop(OPTS_ENV, None)
+    os.environ.update(TargetConfig(None, tuple(args.target_opt)).to_environment())
 
     def progress(step) -> None:
         print(f"shardcheck bisect: {step.commit[:12]} {bisect_state(step)}", file=sys.stderr, flush=True)
 
-    result = bisect(args.slime_repo, args.good, args.bad, scenarios, args.target, timeout=args.timeout,
+    result = bisect(args.src_repo, args.good, args.bad, scenarios, args.target, timeout=args.timeout,
                     reporter_factory=lambda: TerminalReport(quiet=True, out=open(os.devnull, "w")),
                     progress=progress)
     if result.first_changed is None:
         print(f"the verdict is the same at {result.old.commit[:12]} and {result.new.commit[:12]}: nothing to find")
         return EXIT_OK
     step = result.first_changed
-    subject = subprocess.run(["git", "-C", args.slime_repo, "log", "-1", "--format=%h %s", step.commit],
+    subject = subprocess.run(["git", "-C", args.src_repo, "log", "-1", "--format=%h %s", step.commit],
                              capture_output=True, text=True).stdout.strip()
     print(f"first commit where the verdict changes: {step.commit}\n  {subject}")
     skipped = [s.commit[:12] for s in result.steps if s.signature is None]

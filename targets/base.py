@@ -106,6 +106,23 @@ class TargetConfig:
 
 SRC_ENV = "SHARDCHECK_TARGET_SRC"
 OPTS_ENV = "SHARDCHECK_TARGET_OPTS"
+COMMIT_ENV = "SHARDCHECK_TARGET_COMMIT"  # the commit a source without .git was exported from (bisect)
+
+
+def source_commit(src: Any) -> str | None:
+    """The commit a target's source checkout is at: ``SHARDCHECK_TARGET_COMMIT`` when bisect
+    exported it, else ``git rev-parse HEAD`` there; None for a folder without history."""
+    import os
+    import subprocess
+
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    try:
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 @dataclass

@@ -31,7 +31,6 @@ import ast
 import importlib
 import inspect
 import os
-import subprocess
 import sys
 import types
 from argparse import Namespace
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
 from shardcheck.targets.passthrough import Recorder
 
 ENV = "SHARDCHECK_SLIME_SRC"
@@ -91,15 +90,6 @@ def detect_era(src: Path) -> dict[str, Any]:
         "entropy_grad_flag": next((f for f in ("with_entropy_grad", "need_entropy_grad") if f in text + ppo_text),
                                   None),
     }
-
-
-def _commit(src: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 class _Stub(types.ModuleType):
@@ -187,7 +177,7 @@ class SlimeTarget:
     def __init__(self, src: str | None = None) -> None:
         self.src = slime_source(src)
         self.era = detect_era(self.src)
-        self.commit = os.environ.get("SHARDCHECK_SLIME_COMMIT") or _commit(self.src)
+        self.commit = os.environ.get("SHARDCHECK_SLIME_COMMIT") or source_commit(self.src)
         layouts = {"thd", "zigzag"} | ({"allgather"} if self.era["allgather_cp"] else set()) | (
             {"bshd"} if self.era["qkv_format"] else set())
         self.capabilities = Capabilities(

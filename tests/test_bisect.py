@@ -187,7 +187,7 @@ def test_bisect_names_the_commit_that_changed_the_verdict(history, fake_verdicts
 
     repo, commits = history
     before = _git_state(repo)
-    code = main(["bisect", "--slime-repo", str(repo), "--good", commits["c1"], "--bad", commits["c5"], *BISECT])
+    code = main(["bisect", "--src-repo", str(repo), "--good", commits["c1"], "--bad", commits["c5"], *BISECT])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert f"first commit where the verdict changes: {commits['c4']}" in out, out + err

@@ -1,6 +1,8 @@
-"""Find the first commit of a slime repository where the verdict of a suite changes.
+"""Find the first commit of a target's source repository (slime, verl, NeMo-RL, or any target
+that takes ``--target-src``) where the verdict of a suite changes.
 
-Commits are exported with ``git archive`` into temporary folders (the user's checkout and its
+Each commit reaches the target as its :class:`TargetConfig` source (``SHARDCHECK_TARGET_SRC``)
+with the commit's hash in ``SHARDCHECK_TARGET_COMMIT`` (an archive has no ``.git``). Commits are exported with ``git archive`` into temporary folders (the user's checkout and its
 ``.git`` are only read), each is checked on a fresh world, and a binary search over the
 first-parent history from ``old`` to ``new`` names the first commit whose verdicts differ from
 ``old``'s. A commit that cannot be imported counts as skipped, as ``git bisect skip`` does.
@@ -20,7 +22,7 @@ from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.verdict import Verdict
 from shardcheck.scenarios.scenario import Scenario
 
-SRC_ENV, COMMIT_ENV = "SHARDCHECK_SLIME_SRC", "SHARDCHECK_SLIME_COMMIT"
+from shardcheck.targets.base import COMMIT_ENV, SRC_ENV
 
 
 @dataclass
@@ -50,7 +52,7 @@ def _git(repo: str, *args: str) -> str:
 def commits_between(repo: str, old: str, new: str) -> list[str]:
     """Full hashes from old (excluded) to new (included), oldest first, along first parents."""
     if not os.path.isdir(repo):
-        raise BadInput(f"--slime-repo {repo!r} is not a directory")
+        raise BadInput(f"--src-repo {repo!r} is not a directory")
     old_hash = _git(repo, "rev-parse", "--verify", f"{old}^{{commit}}").strip()
     new_hash = _git(repo, "rev-parse", "--verify", f"{new}^{{commit}}").strip()
     if subprocess.run(["git", "-C", repo, "merge-base", "--is-ancestor", old_hash, new_hash]).returncode != 0:
