@@ -87,6 +87,8 @@ class ScenarioData:
         s = self.scenario
         if not s.replay_keep:
             return None
+        if sample not in self._keep_cache and s.keep_sets is not None:  # given as they are
+            self._keep_cache[sample] = list(s.keep_sets[sample])
         if sample not in self._keep_cache:
             from shardcheck.scenarios.keep import keep_sets
 

@@ -61,11 +61,16 @@ class Scenario:
     # response tokens are drawn from their row's set, as a sampler with these settings would
     top_k: int = 0
     top_p: float = 1.0
+    # replayed sets given as they are (with replay_keep), e.g. a real rollout's: per sample, per
+    # response token, the kept ids or null (none recorded; only at the end, as slime's offsets)
+    keep_sets: tuple[tuple[tuple[int, ...] | None, ...], ...] | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         # Accept lists of pairs or dicts (what JSON gives) and normalise to Sample tuples.
         object.__setattr__(self, "samples", tuple(_as_sample(s, self.name) for s in self.samples))
+        if self.keep_sets is not None:
+            object.__setattr__(self, "keep_sets", _as_keep_sets(self.keep_sets, self.name))
         validate(self)
 
     # JSON -----------------------------------------------------------------------------------
@@ -73,9 +78,11 @@ class Scenario:
         d = dataclasses.asdict(self)
         d["samples"] = [[s.total, s.response] + ([s.data_id] if s.data_id not in (None, i) else [])
                          for i, s in enumerate(self.samples)]
-        for name, off in (("top_k", 0), ("top_p", 1.0)):  # written only when on: older keys hold
+        for name, off in (("top_k", 0), ("top_p", 1.0), ("keep_sets", None)):  # written when on: older keys hold
             if d[name] == off:
                 del d[name]
+        if self.keep_sets is not None:
+            d["keep_sets"] = [[None if k is None else list(k) for k in sets] for sets in self.keep_sets]
         return d
 
     @classmethod
@@ -140,6 +147,27 @@ def _as_sample(value: Any, name: str) -> Sample:
                    f"got {value!r}")
 
 
+def _as_keep_sets(value: Any, name: str) -> tuple:
+    """Lists (what JSON gives) to tuples, so the scenario stays hashable and comparable."""
+    def bad() -> BadInput:
+        return BadInput(f"scenario {name!r}: keep_sets must be a list per sample of keep sets (a list of token "
+                        f"ids, or null), got {value!r:.80}")
+
+    if not isinstance(value, (list, tuple)):
+        raise bad()
+    out = []
+    for sets in value:
+        if not isinstance(sets, (list, tuple)):
+            raise bad()
+        row = []
+        for k in sets:
+            if k is not None and not isinstance(k, (list, tuple)):
+                raise bad()
+            row.append(None if k is None else tuple(k))
+        out.append(tuple(row))
+    return tuple(out)
+
+
 def data_id(scenario: Scenario, index: int) -> int:
     """The identity sample ``index`` draws its data from."""
     d = scenario.samples[index].data_id
@@ -148,6 +176,25 @@ def data_id(scenario: Scenario, index: int) -> int:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _validate_keep_sets(s: Scenario, bad: Any) -> None:
+    if not s.replay_keep:
+        raise bad("keep_sets are replayed keep sets: give replay_keep true with them")
+    if len(s.keep_sets) != len(s.samples):
+        raise bad(f"keep_sets has {len(s.keep_sets)} entries for {len(s.samples)} samples")
+    for i, (sets, smp) in enumerate(zip(s.keep_sets, s.samples)):
+        if len(sets) != smp.response:
+            raise bad(f"sample {i}: {len(sets)} keep sets for {smp.response} response tokens")
+        for r, k in enumerate(sets):
+            if k is None:
+                if any(later is not None for later in sets[r:]):
+                    raise bad(f"sample {i}: keep set {r} is null but a later one is not (unrecorded sets "
+                              "can only end the list)")
+                break
+            for v in k:
+                if not _is_int(v) or not 0 <= v < s.vocab:
+                    raise bad(f"sample {i}: keep set {r} names token {v!r}, outside the vocabulary of {s.vocab}")
 
 
 def validate(s: Scenario) -> None:
@@ -187,6 +234,8 @@ def validate(s: Scenario) -> None:
         raise bad(f"top_k must be an integer in [0, vocab {s.vocab}] (0: no top-k), got {s.top_k!r}")
     if isinstance(s.top_p, bool) or not isinstance(s.top_p, (int, float)) or not 0 < s.top_p <= 1:
         raise bad(f"top_p must be a number in (0, 1] (1: no top-p), got {s.top_p!r}")
+    if s.keep_sets is not None:
+        _validate_keep_sets(s, bad)
     if s.replay_keep and (s.top_k > 0 or s.top_p < 1):
         raise bad("replay_keep and top_k / top_p are two definitions of a processed log-prob (replayed sets, "
                   "or sets filtered from the logits): give one")

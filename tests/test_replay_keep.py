@@ -93,3 +93,49 @@ def test_the_sampling_truth_is_met_by_a_plain_filter_and_missed_without_it(world
     assert not any(f.field == "entropy" for f in v.failures)
     [v] = runner.run([one], "builtin", reporter=SilentReport(), world=world).verdicts
     assert v.status == "skip" and v.reason == "applies no top-k / top-p filter to the logits (sampling scenarios)"
+
+
+# -- keep sets given as they are (a real rollout's) -------------------------------------------------
+
+GIVEN = {"name": "real-rollout", "samples": [[6, 3], [4, 2]], "vocab": 8, "tp": 2, "replay_keep": True,
+         "keep_sets": [[[1, 2, 7], [0], None], [[3, 4, 5], [6, 7]]]}
+
+
+def test_given_keep_sets_round_trip_and_are_what_the_ranks_get():
+    from shardcheck.scenarios.data import ScenarioData
+
+    sc = Scenario.from_dict(GIVEN)
+    assert Scenario.from_dict(sc.to_dict()) == sc and sc.to_dict()["keep_sets"] == GIVEN["keep_sets"]
+    assert ScenarioData(sc).keep_sets(1) == [(3, 4, 5), (6, 7)] and ScenarioData(sc).keep_at(0, 5) is None
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"keep_sets": [[[1, 2, 8], [0], None], [[3], [6]]]}, "sample 0: keep set 0 names token 8, outside the vocabulary of 8"),
+    ({"keep_sets": [[[1], [-1], None], [[3], [6]]]}, "sample 0: keep set 1 names token -1, outside"),
+    ({"keep_sets": [[[1], [0]], [[3], [6]]]}, "sample 0: 2 keep sets for 3 response tokens"),
+    ({"keep_sets": [[[1], None, [0]], [[3], [6]]]}, "keep set 1 is null but a later one is not"),
+    ({"keep_sets": [[[1], [0], None]]}, "keep_sets has 1 entries for 2 samples"),
+    ({"replay_keep": False}, "give replay_keep true with them"),
+    ({"keep_sets": 3}, "keep_sets must be a list per sample"),
+])
+def test_given_keep_sets_are_validated_with_one_line(change, fragment):
+    with pytest.raises(BadInput, match=fragment.replace("(", r"\(")):
+        Scenario.from_dict(dict(GIVEN, **change))
+
+
+def test_a_keep_set_outside_the_vocabulary_is_exit_2(cli_in_process, tmp_path):
+    import json
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(dict(GIVEN, keep_sets=[[[1, 2, 9], [0], None], [[3], [6]]])))
+    proc = cli_in_process("run", "--scenario-file", str(path))
+    assert proc.returncode == 2 and "keep set 0 names token 9, outside the vocabulary of 8" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.world
+def test_given_keep_sets_are_checked_as_generated_ones_are(world):
+    sc = Scenario.from_dict(GIVEN)
+    assert runner.run([sc], "builtin", reporter=SilentReport(), world=world).verdicts[0].status == "pass"
+    [v] = runner.run([sc], "builtin:keep_ids_unshifted", reporter=SilentReport(), world=world).verdicts
+    assert v.status == "fail" and "value_mismatch" in v.kinds, v.headline()
