@@ -1,8 +1,8 @@
 """megatron-core's ``tensor_parallel.vocab_parallel_cross_entropy`` as the log-prob path.
 
 log p(target) = -cross_entropy(logits / temperature). megatron-core computes no entropy, and no
-per-sample extraction: this adapter takes the rows scoring each rank's share from the harness's
-layout, so what is checked is megatron's vocab-parallel kernel and its gradient.
+per-sample extraction: this adapter takes each row's label and the rows scoring each rank's share
+from the harness (``RankInputs.row_labels``/``scored_rows``), so what is checked is megatron's vocab-parallel kernel and its gradient.
 """
 
 from __future__ import annotations
@@ -36,14 +36,9 @@ class MegatronTarget:
     def compute(self, inputs: RankInputs) -> RankOutputs:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        from shardcheck.harness.rank import shard
-
-        layout = inputs.rank_layout
         rows = inputs.logits.reshape(-1, inputs.logits.size(-1))
         if inputs.temperature != 1.0:
             rows = rows / inputs.temperature
-        targets = shard.local_row_targets(layout, inputs.tokens).to(rows.device)
-        loss = vocab_parallel_cross_entropy(rows.unsqueeze(1), targets.unsqueeze(1))  # [T, 1]
+        loss = vocab_parallel_cross_entropy(rows.unsqueeze(1), inputs.row_labels().unsqueeze(1))  # [T, 1]
         log_prob = -loss.squeeze(1)
-        share_rows = shard.local_share_rows(layout)
-        return RankOutputs([log_prob[r.to(log_prob.device)] for r in share_rows])
+        return RankOutputs([log_prob[r] for r in inputs.scored_rows()])
