@@ -49,6 +49,9 @@ TEMPERATURES = (1.0, 0.5, 0.8, 1.7)
 # (with_entropy, entropy_coef): no entropy term first, then the gradient-free entropy
 # (coef 0, slime's default), then coefficients of either sign.
 ENTROPY = ((False, 0.0), (True, 0.0), (True, 0.1), (True, -0.05))
+# (top_k, top_p) of a sampler's filter (NeMo-RL's processed log-prob), none first; a top_k past
+# the vocabulary is clamped to it
+SAMPLING = ((0, 1.0), (1, 1.0), (4, 1.0), (0, 0.8), (8, 0.9), (0, 0.3))
 
 _Choice = Any  # a value, a collection of values, or a strategy
 
@@ -255,6 +258,7 @@ def scenarios(
     dtype: _Choice = "float32",
     seed: _Choice = None,
     replay_keep: _Choice = False,
+    sampling: _Choice = ((0, 1.0),),
     min_samples: int = 1,
     max_samples: int = MAX_SAMPLES,
     max_total: int = MAX_TOTAL,
@@ -262,7 +266,8 @@ def scenarios(
 ) -> SearchStrategy[Scenario]:
     """Valid scenarios. Each of tp (default 1, 2), cp (default 1, 2), layout, vocab, chunk_size,
     temperature, entropy ((with_entropy, entropy_coef) pairs), dtype, seed and replay_keep
-    (whether samples carry replayed top-p / top-k keep sets; default False) may be one value,
+    (whether samples carry replayed top-p / top-k keep sets; default False) and sampling
+    ((top_k, top_p) pairs of a sampler's filter; default none) may be one value,
     several (the first is where shrinking heads) or a strategy. ``ranks``: only (tp, cp) with
     tp * cp dividing it, so every scenario fits a world of that many ranks. Only vocab sizes tp
     divides are drawn. Default chunk sizes are coarsened to at most MAX_CHUNKS chunks per rank;
@@ -271,13 +276,13 @@ def scenarios(
     values = {key: _as_values(value, default) for key, value, default in (
         ("tp", tp, TPS), ("cp", cp, CPS), ("layout", layout, LAYOUTS), ("vocab", vocab, ()),
         ("chunk_size", chunk_size, CHUNK_SIZES), ("entropy", entropy, ENTROPY), ("dtype", dtype, DTYPES),
-        ("replay_keep", replay_keep, (False, True)))}
+        ("replay_keep", replay_keep, (False, True)), ("sampling", sampling, SAMPLING))}
     if vocab is None:
         values["vocab"] = None  # drawn per tp (vocabs), always divisible
     _check(values, ranks, min_samples, max_samples, max_total)
     return _scenarios(tp=tp, cp=cp, layout=layout, vocab=vocab, ranks=ranks, chunk_size=chunk_size,
                       temperature=temperature, entropy=entropy, dtype=dtype, seed=seed, replay_keep=replay_keep,
-                      min_samples=min_samples,
+                      sampling=sampling, min_samples=min_samples,
                       max_samples=max_samples, max_total=max_total, name=name, layout_values=values["layout"],
                       cp_values=values["cp"], vocab_values=values["vocab"])
 
@@ -285,7 +290,7 @@ def scenarios(
 @st.composite
 def _scenarios(draw: Any, *, tp: _Choice, cp: _Choice, layout: _Choice, vocab: _Choice, ranks: int | None,
                chunk_size: _Choice, temperature: _Choice, entropy: _Choice, dtype: _Choice, seed: _Choice,
-               replay_keep: _Choice, min_samples: int, max_samples: int, max_total: int, name: str,
+               replay_keep: _Choice, sampling: _Choice, min_samples: int, max_samples: int, max_total: int, name: str,
                layout_values: tuple[str, ...] | None, cp_values: tuple[int, ...] | None,
                vocab_values: tuple[int, ...] | None) -> Scenario:
     t = draw(_choices(tp, TPS))
@@ -314,12 +319,14 @@ def _scenarios(draw: Any, *, tp: _Choice, cp: _Choice, layout: _Choice, vocab: _
         v = draw(vocab)
         assume(v % t == 0)
     with_entropy, coef = draw(_choices(entropy, ENTROPY))
+    replay = draw(_choices(replay_keep, (False, True)))
+    top_k, top_p = (0, 1.0) if replay else draw(_choices(sampling, SAMPLING))  # one definition at a time
     return Scenario(
         name=name, samples=batch, vocab=v, tp=t, cp=c, layout=lay, with_entropy=with_entropy,
         entropy_coef=coef, log_probs_chunk_size=chunk, temperature=draw(_choices(temperature, TEMPERATURES)),
         dtype=draw(_choices(dtype, DTYPES)),
         seed=draw(_choices(seed, ()) if seed is not None else st.integers(0, 2**16)),
-        replay_keep=draw(_choices(replay_keep, (False, True))),
+        replay_keep=replay, top_k=min(top_k, v), top_p=top_p,
     )
 
 
@@ -347,6 +354,10 @@ def _check(values: dict[str, tuple | None], ranks: int | None, min_samples: int,
     for name in names or ():
         if name not in LAYOUTS:
             raise BadInput(f"layout {name!r} is not one of {', '.join(LAYOUTS)}")
+    for pair in values["sampling"] or ():
+        if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                and isinstance(pair[1], (int, float)) and 0 < pair[1] <= 1):
+            raise BadInput(f"sampling values must be (top_k >= 0, 0 < top_p <= 1) pairs, got {pair!r}")
     for r in values["replay_keep"] or ():
         if not isinstance(r, bool):
             raise BadInput(f"replay_keep values must be true or false, got {r!r}")

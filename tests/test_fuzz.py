@@ -157,7 +157,7 @@ def test_fuzz_finds_shrinks_writes_and_replays_the_planted_bug(tmp_path, world):
     """The real ``shardcheck fuzz`` process; the file it writes is replayed on the session's world
     (``shardcheck run`` itself is run end to end in test_run)."""
     out = tmp_path / "found" / "minimal.json"
-    proc = run_cli("fuzz", "--target", MUTANT, "--seed", "2", "--max-examples", "40", "--out", str(out), "-q",
+    proc = run_cli("fuzz", "--target", MUTANT, "--seed", "0", "--max-examples", "40", "--out", str(out), "-q",
                    cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     [sc] = load_scenario_file(out)
@@ -217,6 +217,24 @@ def test_the_fuzzer_draws_replayed_keep_sets_when_the_target_applies_them(world2
 @given(scenarios(replay_keep=True, max_samples=2))
 def test_replay_keep_is_drawn_when_asked(sc):
     assert sc.replay_keep
+
+
+@PURE
+@given(scenarios(sampling=[(4, 1.0), (40, 0.5)], vocab=[2, 8], tp=1, max_samples=2))
+def test_sampling_is_drawn_when_asked_and_top_k_fits_the_vocabulary(sc):
+    assert sc.sampling and not sc.replay_keep and sc.top_k <= sc.vocab
+
+
+@pytest.mark.world
+def test_the_fuzzer_draws_sampling_scenarios_when_the_target_filters(world2):
+    """A plain top-k / top-p filter passes what the fuzzer draws (a fixed seed, so the same
+    draws every time); the same target without the filter is caught, on a sampling scenario."""
+    good = fuzz.fuzz("plants:SamplingTp1", max_examples=25, seed=3, tp=(1,), cp=(1,), world=world2,
+                     database=None)
+    assert good.failure is None and good.counts["pass"] >= 20, good.counts
+    bad = fuzz.fuzz("plants:SamplingIgnored", max_examples=60, seed=3, tp=(1,), cp=(1,), world=world2,
+                    database=None)
+    assert bad.failure is not None and bad.failure.scenario.sampling, bad.counts
 
 
 @pytest.mark.world

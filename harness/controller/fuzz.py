@@ -247,6 +247,7 @@ def fuzz(
     dtype = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
     entropy = strategies.ENTROPY if caps.entropy else ((False, 0.0),)
     replay_keep = (False, True) if caps.replay_keep else (False,)  # shrinking heads to no keep sets
+    sampling = strategies.SAMPLING if caps.sampling else ((0, 1.0),)
     tp = [t for t in tp if caps.tp_sizes is None or t in caps.tp_sizes]
     cp = [c for c in cp if caps.cp_sizes is None or c in caps.cp_sizes]
     if not tp or not cp:
@@ -259,11 +260,13 @@ def fuzz(
     result = FuzzResult(target_spec, seed, size, pairs, usable)
     strategy = strategies.scenarios(
         tp=sorted({t for t, _ in pairs}), cp=sorted({c for _, c in pairs}), layout=usable, ranks=size,
-        entropy=entropy, dtype=dtype, replay_keep=replay_keep, max_samples=max_samples, max_total=max_total,
+        entropy=entropy, dtype=dtype, replay_keep=replay_keep, sampling=sampling, max_samples=max_samples,
+        max_total=max_total,
     )
     active = world if world is not None else World(size, timeout=timeout, lockstep=lockstep, backend=backend)
     runs = _Search(result, target_spec, active, max_shrinks, progress)
-    namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy, replay_keep))
+    namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy, replay_keep,
+                      sampling))
     db = _Namespaced(DirectoryBasedExampleDatabase(database), namespace) if database is not None else None
     search = settings(
         max_examples=max_examples, deadline=None, database=db,
