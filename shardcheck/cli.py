@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--trace", action="store_true",
                    help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
+    r.add_argument("--no-inplace", action="store_true",
+                   help="do not check that the target leaves its inputs unchanged (a target known to write into "
+                        "its logits: its values, gradients and collectives are still checked; the report says so)")
     r.add_argument("--allow-all-skipped", action="store_true",
                    help="exit 0, not 5, when every scenario was skipped (nothing was checked)")
     v = sub.add_parser("invariance", help="check that each sample's outputs keep their bits however it is laid out")
@@ -289,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
     json_report = _json_report(args, JsonReport)
     result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
                         nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
-                        trace=args.trace, backend=args.backend)
+                        trace=args.trace, backend=args.backend, inplace=not args.no_inplace)
     if result.verdicts and all(v.status == "skip" for v in result.verdicts) and not args.allow_all_skipped:
         print(f"shardcheck: nothing was checked: all {len(result.verdicts)} scenarios were skipped "
               "(--allow-all-skipped to exit 0)", file=sys.stderr)

@@ -117,6 +117,19 @@ def test_logits_divided_in_place_are_named_where_and_at_which_element(world):
 
 
 @pytest.mark.world
+def test_without_the_input_check_the_rest_is_still_checked_and_the_report_says_so(world):
+    """run --no-inplace: a target known to write into its logits is still held to its values."""
+    from shardcheck.harness.controller.report import render_table
+
+    sc = get_suite("regressions")[2]
+    result = runner.run([sc], "builtin:inplace_temperature", reporter=SilentReport(), world=world, inplace=False)
+    assert result.verdicts[0].status == "pass", result.verdicts[0].headline()
+    assert "not checked: whether the target leaves its inputs unchanged" in render_table(result.verdicts, result.info)
+    [v] = runner.run([sc], "builtin:chunk_off_by_one", reporter=SilentReport(), world=world, inplace=False).verdicts
+    assert v.status == "fail" and "value_mismatch" in v.kinds
+
+
+@pytest.mark.world
 def test_a_gradient_scaled_in_place_in_backward_is_found(world):
     sc = get_suite("regressions")[2]
     result = runner.run([sc], "builtin:inplace_grad_output", reporter=SilentReport(), world=world)

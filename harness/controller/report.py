@@ -294,6 +294,8 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
             lines.append(f"  ... {len(printed) - MAX_OUTPUT_SHOWN} more in the JSON report")
     lines.append("")
     lines.append(_target_line(info.target))
+    if not info.inplace:
+        lines.append("not checked: whether the target leaves its inputs unchanged (--no-inplace)")
     lines.append(
         f"{c['total']} scenarios: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped "
         f"in {info.wall_seconds:.1f}s"

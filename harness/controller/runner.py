@@ -123,7 +123,7 @@ def run(
     if world is None:
         backend, backend_why = choose_backend(backend, size)
     info = RunInfo(target.describe(), target_spec, size, world.backend if world is not None else backend,
-                   backend_why, world.lockstep if world is not None else lockstep)
+                   backend_why, world.lockstep if world is not None else lockstep, inplace=inplace)
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
     for _, v in verdicts:

@@ -79,6 +79,7 @@ class RunInfo:
     wall_seconds: float = 0.0
     rank_output: list[dict[str, Any]] = _field(default_factory=list)  # {"line", "ranks"}, each line once
     world_events: list[str] = _field(default_factory=list)  # outside any scenario: a rank that died idle
+    inplace: bool = True  # whether input_mutated was checked (run --no-inplace: not)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

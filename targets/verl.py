@@ -1,0 +1,725 @@
+"""verl's Megatron log-prob and entropy path, imported from a source checkout: ``--target verl``
+and ``--target verl:actor``.
+
+verl is named by a checkout (``--verl-src DIR``, ``--target-src DIR`` or ``SHARDCHECK_VERL_SRC``);
+it is never installed and its files are never written (no bytecode is cached there).
+``import verl`` runs ``verl/__init__.py``, which pulls ray and the rest: the packages holding the
+modules imported here (``verl``, ``verl.utils``, ``verl.utils.megatron``, ``verl.models.mcore``)
+are made as empty packages over the checkout's folders, so their ``__init__.py`` is not run; every
+other module is the checkout's own. Third-party modules those files import but do not use here
+(tensordict, transformers, ...) are stubbed only when missing, and the report says which.
+``logging.Logger.warning_once``, which transformers adds on import and verl calls, is added while
+it is missing. torch.compile'd helpers (the entropy's ``mul_reduce``) run eagerly: compiling costs
+seconds per process on 2 cores and is not what is checked.
+
+``verl`` checks ``verl/utils/megatron/tensor_parallel.py``: ``vocab_parallel_entropy`` (or
+``vocab_parallel_entropy_with_chunking`` with ``--target-opt entropy_chunking=true``; chunk = the
+scenario's chunk size, verl's 2048 where it has none) and ``vocab_parallel_log_probs_from_logits``
+(megatron-core's vocab-parallel cross entropy, negated), on the harness's rows and labels, called
+as verl's call sites have called them since #2484: the entropy on the logits, the log-probs on a
+clone when the entropy is also wanted (the log-prob kernel overwrites its input). The temperature
+is the caller's job there: the adapter divides out of place when it is not 1.
+
+``verl:actor`` checks the actor's own call site, which divides the logits by the temperature and
+combines both functions. Which one is read from the checkout (``--target-opt call_site=``):
+
+- ``legacy``: the ``logits_processor`` closure of ``MegatronPPOActor.forward_backward_batch``
+  (``verl/workers/actor/megatron_actor.py``, removed by #6067), handed the harness's rows with
+  their next-token labels and the mask of rows that score a response token, as verl's legacy
+  forward built them (shifted labels, ``label_mask``) and packed them.
+- ``engine``: the logits processor of ``MegatronEngineWithLMHead`` (a closure of ``forward_step``,
+  later the method ``_lm_head_logits_processor``) in ``verl/workers/engine/megatron/
+  transformer_impl.py``, with the arguments verl's engine forward builds: the nested token ids as
+  labels and the temperatures expanded as nested, packed by verl's own thd packing
+  (``preprocess_thd_engine``, before it ``preprocess_thd_no_padding`` and
+  ``preprocess_packed_seqs_no_padding``; labels rolled there where the era rolls them) or bshd
+  packing, and its outputs unpacked by the matching ``postprocess_*`` (which all-gathers them over
+  CP). A scenario whose rows verl's packing puts elsewhere than the harness's layout (verl pads every
+  sequence to a multiple of tp, or of 2*tp*cp under CP) is skipped with the reason; a mismatch the
+  rule misses is raised as the adapter's own error.
+- ``auto`` (the default): the legacy actor where it still exists, else the engine.
+
+Both are compiled alone from the checkout's own file (its path and line numbers kept, so
+tracebacks and in-place write sites name verl's lines): the modules around them import ray,
+tensordict, omegaconf and megatron's whole training stack. The names they read from outside
+themselves are bound as their module and caller bind them: verl's ``tensor_parallel`` functions,
+torch, the module's logger, and the caller's ``calculate_entropy``, ``temperature`` and engine
+config (``entropy_from_logits_with_chunking``). A name the adapter does not know refuses the
+checkout (one line); nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.abc
+import importlib.machinery
+import inspect
+import logging
+import os
+import builtins
+import functools
+import subprocess
+import symtable
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
+from shardcheck.scenarios.scenario import Scenario
+
+ENV = "SHARDCHECK_VERL_SRC"
+TP_FILE = Path("verl/utils/megatron/tensor_parallel.py")
+TP_MODULE = "verl.utils.megatron.tensor_parallel"
+LEGACY_FILE = Path("verl/workers/actor/megatron_actor.py")
+ENGINE_FILE = Path("verl/workers/engine/megatron/transformer_impl.py")
+UTIL_FILE = Path("verl/models/mcore/util.py")
+UTIL_MODULE = "verl.models.mcore.util"
+TF_MODULE = "verl.utils.torch_functional"
+# third-party modules verl's files import at module level but do not use on this path; stubbed
+# only when missing
+STUBBABLE = ("ray", "tensordict", "transformers", "flash_attn", "omegaconf", "codetiming", "hydra", "accelerate",
+             "peft", "torch_npu", "mindspeed", "liger_kernel", "vllm", "sglang", "wandb", "datasets", "pandas",
+             "pyarrow", "tensorboard", "mbridge", "megatron.bridge", "transformer_engine", "apex")
+REPLAY_WHY = ("verl's Megatron log-prob path takes no replayed top-p / top-k keep sets: "
+              "vocab_parallel_log_probs_from_logits and the actor's logits processor normalise over the whole "
+              "vocabulary")
+ALLGATHER_WHY = ("all-gather CP: verl's functions and call sites work per logit row and verl's CP output path "
+                 "(postprocess_thd_engine, also in its contiguous CP layout) all-gathers every token to every CP "
+                 "rank with the gradient only through the rank's own rows; the harness's all-gather contract wants "
+                 "each rank's zigzag share with its gradient, a redistribution verl does not do")
+FUNCTIONS = ("vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy_with_chunking",
+             "vocab_parallel_sum_pi_squared")
+# verl's engine packing over its history (newest first): thd, then bshd
+PACKERS = (("preprocess_thd_engine", "postprocess_thd_engine"),
+           ("preprocess_thd_no_padding", "postprocess_thd_no_padding"),
+           ("preprocess_packed_seqs_no_padding", "postprocess_packed_seqs_no_padding"))
+BSHD_PACKERS = (("preprocess_bshd_engine", "postprocess_bshd_engine"),
+                ("preprocess_bshd_no_padding", "postprocess_bshd_no_padding"))
+OPTIONS = {
+    "call_site": "verl:actor only: legacy (MegatronPPOActor's logits_processor), engine "
+                 "(MegatronEngineWithLMHead's, with verl's packing) or auto (legacy where it exists; default)",
+    "entropy_chunking": "true: vocab_parallel_entropy_with_chunking with the scenario's chunk size, verl's "
+                        "2048 where the scenario has none (verl's entropy_from_logits_with_chunking; default false)",
+}
+
+
+def source(src: str | None = None) -> Path:
+    """The checkout named by ``src`` (``--verl-src``/``--target-src``) or SHARDCHECK_VERL_SRC;
+    BadInput (one line) naming the problem when it is not usable."""
+    value = src or os.environ.get(ENV)
+    if not value:
+        raise BadInput(f"the verl target needs a verl source checkout: give --verl-src DIR or set {ENV}")
+    path = Path(value).expanduser().resolve()
+    if not path.is_dir():
+        raise BadInput(f"verl source {str(path)!r} is not a directory")
+    if not (path / TP_FILE).is_file():
+        raise BadInput(f"{str(path)!r} is not a verl checkout (no {TP_FILE})")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# era: what the checkout has, read from its source (nothing imported)
+
+
+def _parse(src: Path, rel: Path) -> ast.Module | None:
+    path = src / rel
+    if not path.is_file():
+        return None
+    try:
+        return ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as exc:
+        raise BadInput(f"verl at {src} cannot be read: {rel} line {exc.lineno}: {exc.msg}") from None
+
+
+def _functions(tree: ast.AST | None, name: str) -> list[ast.FunctionDef]:
+    if tree is None:
+        return []
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+
+
+def _params(fn: ast.FunctionDef) -> list[str]:
+    return [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+
+
+def _engine_site(tree: ast.Module | None) -> tuple[ast.FunctionDef, str] | None:
+    """The engine's logits processor: the method, or the closure of MegatronEngineWithLMHead."""
+    if tree is None:
+        return None
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        if cls.name != "MegatronEngineWithLMHead":
+            continue
+        for fn in _functions(cls, "_lm_head_logits_processor"):
+            return fn, f"MegatronEngineWithLMHead._lm_head_logits_processor"
+        for fn in _functions(cls, "logits_processor"):
+            return fn, "MegatronEngineWithLMHead.forward_step.logits_processor"
+    return None
+
+
+def _legacy_site(tree: ast.Module | None) -> tuple[ast.FunctionDef, str] | None:
+    if tree is None:
+        return None
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for fn in _functions(cls, "logits_processor"):
+            return fn, f"{cls.name}.forward_backward_batch.logits_processor"
+    return None
+
+
+def _site_facts(fn: ast.FunctionDef) -> dict[str, Any]:
+    text = ast.unparse(fn)
+    calls = [n.func for n in sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)),
+                                     key=lambda n: (n.lineno, n.col_offset))]
+    names = [f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "" for f in calls]
+    order = [n for n in names if n in ("vocab_parallel_entropy", "vocab_parallel_entropy_with_chunking",
+                                       "vocab_parallel_log_probs_from_logits")]
+    return {
+        "params": _params(fn),
+        "temperature": "temperature" in text,
+        "clones_for_entropy": ".clone()" in text,
+        "first_call": order[0] if order else None,
+        "rolls_label": "roll" in names,
+        "entropy_chunking": "vocab_parallel_entropy_with_chunking" in names,
+    }
+
+
+def detect_era(src: Path) -> dict[str, Any]:
+    """What this checkout has, read from its source: the tensor_parallel functions, the actor's
+    call sites (legacy MegatronPPOActor, engine) and the engine's packing functions."""
+    tp = _parse(src, TP_FILE)
+    functions = [f for f in FUNCTIONS if _functions(tp, f)]
+    for needed in ("vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits"):
+        if needed not in functions:
+            raise BadInput(f"verl at {src}: {TP_FILE} has no {needed}")
+    entropy_fwd = next((fn for cls in ast.walk(tp) if isinstance(cls, ast.ClassDef)
+                        and cls.name == "_VocabParallelEntropy" for fn in _functions(cls, "forward")), None)
+    era: dict[str, Any] = {
+        "functions": functions,
+        "entropy_compiled": bool(entropy_fwd is not None and "torch.compile" in ast.unparse(entropy_fwd)),
+        "call_sites": {},
+        "packing": None,
+    }
+    for kind, rel, find in (("legacy", LEGACY_FILE, _legacy_site), ("engine", ENGINE_FILE, _engine_site)):
+        found = find(_parse(src, rel))
+        if found is not None:
+            fn, qualname = found
+            era["call_sites"][kind] = {"file": str(rel), "function": qualname, "line": fn.lineno, **_site_facts(fn)}
+    util = _parse(src, UTIL_FILE)
+    for pre, post in PACKERS:
+        fns = _functions(util, pre)
+        if fns and _functions(util, post):
+            params = _params(fns[0])
+            bshd = next(((b_pre, b_post) for b_pre, b_post in BSHD_PACKERS
+                         if _functions(util, b_pre) and _functions(util, b_post)), None)
+            era["packing"] = {"preprocess": pre, "postprocess": post, "need_roll": "need_roll" in params,
+                              "cp_layout": "cp_layout" in params,
+                              "bshd": None if bshd is None else {"preprocess": bshd[0], "postprocess": bshd[1]}}
+            break
+    return era
+
+
+def _commit(src: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# import: verl's files without verl's package __init__ files, stubs only for missing modules
+
+
+class _Stub(types.ModuleType):
+    """A module verl's files import but do not use on this path. Anything taken from it is
+    another stub; calling one yields a stub, so import-time decorators and annotations work."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self.__name__}.{attr}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _Stub(f"{self.__name__}()")
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+    def __or__(self, other: Any) -> Any:
+        return self
+
+    __ror__ = __or__
+
+    def __getitem__(self, item: Any) -> Any:
+        return self
+
+
+class _Packages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The verl packages that hold the modules imported (``verl``, ``verl.utils``, ...) as empty
+    packages: their ``__init__.py`` (``verl/__init__.py`` imports ray, ``verl/utils/__init__.py``
+    the tokenizers, ``verl/models/mcore/__init__.py`` the model registry) is not run. Every other
+    verl package and module is imported from the checkout as usual."""
+
+    def __init__(self, src: Path, empty: set[str]) -> None:
+        self.src, self.empty = src, empty
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in self.empty:
+            return None
+        folder = self.src.joinpath(*name.split("."))
+        spec = importlib.machinery.ModuleSpec(name, self, is_package=True)
+        spec.submodule_search_locations = [str(folder)]
+        return spec
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+@functools.lru_cache(None)
+def _warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
+    """transformers' ``Logger.warning_once``: each distinct message once."""
+    self.warning(*args, **kwargs)
+
+
+def _stubbable(name: str) -> str | None:
+    return next((s for s in STUBBABLE if name == s or name.startswith(s + ".")), None)
+
+
+def import_verl(src: Path, modules: list[str], undo: list) -> tuple[dict[str, types.ModuleType], list[str]]:
+    """Import ``modules`` from the checkout; stub missing third-party modules they import.
+
+    Everything this sets process-wide is put back by the callables appended to ``undo`` (run in
+    reverse order): the finder, the modules added, torch's dynamo switch, the bytecode flag, the
+    environment."""
+    before = set(sys.modules)
+    empty = {".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 1)}
+    finder = _Packages(src, empty)
+    sys.meta_path.insert(0, finder)
+    undo.append(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
+    undo.append(lambda: [sys.modules.pop(m) for m in set(sys.modules) - before
+                         if m == "verl" or m.startswith("verl.") or _stubbable(m)])
+    if "TORCHDYNAMO_DISABLE" not in os.environ:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        undo.append(lambda: os.environ.pop("TORCHDYNAMO_DISABLE", None))
+    import torch._dynamo
+
+    was_disabled, wrote_bytecode = torch._dynamo.config.disable, sys.dont_write_bytecode
+    undo.append(lambda: setattr(torch._dynamo.config, "disable", was_disabled))
+    undo.append(lambda: setattr(sys, "dont_write_bytecode", wrote_bytecode))
+    torch._dynamo.config.disable = True
+    sys.dont_write_bytecode = True  # never write into the user's checkout
+    if not hasattr(logging.Logger, "warning_once"):
+        # verl calls logger.warning_once on its module loggers (megatron_actor, models/mcore/util):
+        # a method transformers adds to logging.Logger on import, as it is in every verl run
+        logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
+        undo.append(lambda: delattr(logging.Logger, "warning_once"))
+    stubs: list[str] = []
+    out: dict[str, types.ModuleType] = {}
+    for name in modules:
+        for _ in range(4 * len(STUBBABLE)):
+            try:
+                out[name] = importlib.import_module(name)
+                break
+            except ModuleNotFoundError as exc:
+                missing = exc.name or ""
+                if not _stubbable(missing) or missing in stubs:
+                    raise BadInput(f"verl at {src} cannot be imported ({name}): {exc}") from None
+                for m in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
+                    del sys.modules[m]
+                parts = missing.split(".")
+                for i in range(1, len(parts) + 1):
+                    sys.modules.setdefault(".".join(parts[:i]), _Stub(".".join(parts[:i])))
+                stubs.append(missing)
+            except BadInput:
+                raise
+            except Exception as exc:  # a broken commit: reported as such
+                raise BadInput(f"verl at {src} cannot be imported ({name}): {type(exc).__name__}: {exc}") from None
+        else:
+            raise BadInput(f"verl at {src} cannot be imported ({name})")
+    return out, stubs
+
+
+# ----------------------------------------------------------------------------------------------
+# the call site, compiled alone from verl's file
+
+_BUILTINS = frozenset(dir(builtins))
+
+
+class _Config:
+    """The engine's ``engine_config``: the fields set; a read of any other is recorded."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+        self.__dict__["_missing"] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            self.__dict__["_missing"].add(name)
+        raise AttributeError(name)
+
+
+def compile_call_site(src: Path, site: dict[str, Any]) -> tuple[Any, dict[str, Any], list[str]]:
+    """verl's call-site function compiled alone from its file (path and line numbers kept): the
+    function, its globals (filled per call) and the names it reads from outside itself."""
+    path = src / site["file"]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.lineno == site["line"])
+    fn.decorator_list = []
+    module = ast.Module(body=[fn], type_ignores=[])
+    table = symtable.symtable(ast.unparse(module), str(path), "exec")
+    inner = next(t for t in table.get_children() if t.get_name() == fn.name)
+    free = sorted(s.get_name() for s in inner.get_symbols()
+                  if s.is_global() and s.is_referenced() and s.get_name() not in _BUILTINS)
+    namespace: dict[str, Any] = {"__name__": f"shardcheck_verl_site_{fn.name}", "__file__": str(path)}
+    exec(compile(module, str(path), "exec"), namespace)  # noqa: S102 - verl's own function, from its file
+    return namespace[fn.name], namespace, free
+
+
+# ----------------------------------------------------------------------------------------------
+# the targets
+
+
+VERL_CHUNK_DEFAULT = 2048  # verl's entropy_from_logits_chunk_size default (workers/config)
+
+
+def verl_chunk(chunk_size: int) -> int:
+    """The scenario's chunk size as verl's entropy chunk: -1 (no chunking) is verl's default 2048."""
+    return chunk_size if chunk_size > 0 else VERL_CHUNK_DEFAULT
+
+
+def _mask_rows(inputs: RankInputs) -> Any:
+    """True at the local rows that score a response token (verl's legacy ``label_mask``)."""
+    import torch
+
+    mask = torch.zeros(inputs.logits.shape[0] * inputs.logits.shape[1], dtype=torch.bool, device=inputs.logits.device)
+    for rows, _ in inputs.held_rows():
+        mask[rows] = True
+    return mask.view(inputs.logits.shape[:2])
+
+
+def _take(values: Any, rows: list) -> list:
+    flat = values.reshape(-1)
+    return [flat[r] for r in rows]
+
+
+class VerlTarget:
+    """verl's vocab_parallel_entropy and vocab_parallel_log_probs_from_logits from a source checkout (--verl-src / SHARDCHECK_VERL_SRC)"""
+
+    name = "verl"
+
+    def __init__(self, src: str | None = None, options: TargetConfig | None = None) -> None:
+        self.src = source(src)
+        self.era = detect_era(self.src)
+        self.commit = os.environ.get("SHARDCHECK_VERL_COMMIT") or _commit(self.src)
+        config = options or TargetConfig()
+        try:
+            self.entropy_chunking = config.flag("entropy_chunking")
+        except ValueError as exc:
+            raise BadInput(f"target {self.name!r}: {exc}") from None
+        if self.entropy_chunking and "vocab_parallel_entropy_with_chunking" not in self.era["functions"]:
+            raise BadInput(f"verl at {self._short()} has no vocab_parallel_entropy_with_chunking "
+                           "(entropy_chunking=true needs #6446 or later)")
+        self.capabilities = self._capabilities()
+        self._undo: list[Any] = []
+        self._modules: dict[str, types.ModuleType] | None = None
+        self.stubs: list[str] = []
+
+    def _short(self) -> str:
+        return (self.commit or str(self.src))[:10]
+
+    def _capabilities(self) -> Capabilities:
+        return VerlCapabilities(
+            layouts=frozenset({"thd", "bshd", "zigzag"}), entropy=True,
+            layout_reasons=(("allgather", ALLGATHER_WHY),), reasons=(("replay_keep", REPLAY_WHY),))
+
+    def release(self) -> None:
+        """Undo what importing verl set in this process (the rank moves to another target)."""
+        while self._undo:
+            self._undo.pop()()
+        self._modules = None
+        self.__dict__.pop("_site", None)
+
+    def describe(self) -> dict[str, Any]:
+        version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
+        return {"name": self.name, "version": version, "commit": self.commit, "src": str(self.src),
+                "era": self.era, "stubbed_modules": self.stubs, "entropy_chunking": self.entropy_chunking,
+                "not_run": "the __init__.py of the verl packages holding the modules imported (verl/__init__.py "
+                           "imports ray); torch.compile runs eagerly",
+                "logging": "logging.Logger.warning_once, which transformers adds on import and verl calls, is "
+                           "added while verl is imported here when missing"}
+
+    def modules(self, names: tuple[str, ...] = (TP_MODULE,)) -> dict[str, types.ModuleType]:
+        if self._modules is None or any(n not in self._modules for n in names):
+            if self._modules is not None:
+                self.release()
+            self._modules, self.stubs = import_verl(self.src, list(names), self._undo)
+        return self._modules
+
+    def _entropy(self, tp: types.ModuleType, logits: Any, chunk_size: int) -> Any:
+        if self.entropy_chunking:
+            return tp.vocab_parallel_entropy_with_chunking(logits, chunk_size=verl_chunk(chunk_size))
+        return tp.vocab_parallel_entropy(logits)
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        tp = self.modules()[TP_MODULE]
+        logits = inputs.logits
+        if inputs.temperature != 1.0:  # the functions take none: the caller divides
+            logits = logits / inputs.temperature
+        labels = inputs.row_labels().view(logits.shape[:2])
+        entropy = None
+        if inputs.with_entropy:
+            entropy = self._entropy(tp, logits, inputs.chunk_size)
+            logits = logits.clone()  # as verl's call sites since #2484: the log-prob kernel overwrites it
+        log_probs = tp.vocab_parallel_log_probs_from_logits(logits, labels)
+        rows = inputs.scored_rows()
+        return RankOutputs(_take(log_probs, rows), _take(entropy, rows) if entropy is not None else None)
+
+
+@dataclass(frozen=True)
+class VerlCapabilities(Capabilities):
+    """Capabilities with a reason per unsupported layout and, where verl's own packing lays out
+    the rows (``verl:actor`` on the engine), its padding rule: a scenario whose rows verl's
+    packing puts elsewhere than the harness's layout is skipped with the reason."""
+
+    layout_reasons: tuple[tuple[str, str], ...] = ()
+    packing: bool = False
+
+    def skip_reason(self, scenario: Scenario) -> str | None:
+        if scenario.layout not in self.layouts and scenario.layout in dict(self.layout_reasons):
+            return dict(self.layout_reasons)[scenario.layout]
+        why = super().skip_reason(scenario)
+        if why is None and self.packing:
+            why = packing_mismatch(scenario)
+        return why
+
+
+def packing_mismatch(sc: Scenario) -> str | None:
+    """Why verl's engine packing would put this scenario's rows elsewhere than the harness, or None.
+
+    Its thd packing pads every sequence to a multiple of tp (cp = 1) or of 2*tp*cp and gives CP
+    rank r chunks r and 2cp-1-r of it; its bshd packing pads the batch to a multiple of tp."""
+    tp, cp = sc.tp, sc.cp
+    lengths = [s.total for s in sc.samples]
+    packing = "verl's engine packing (preprocess_thd_engine, formerly *_no_padding)"
+    if sc.layout == "thd":
+        bad = [n for n in lengths if n % tp]
+        if bad:
+            return (f"{packing} pads every sequence to a multiple of tp={tp}; lengths {bad} are not, so its rows "
+                    "are not the harness's (packed without padding)")
+    elif sc.layout == "zigzag":
+        bad = [n for n in lengths if -(-n // (2 * cp * tp)) * tp != -(-n // (2 * cp))]
+        if bad:
+            return (f"{packing} pads every sequence to a multiple of 2*tp*cp={2 * tp * cp} before its zigzag split; "
+                    f"for lengths {bad} its CP chunks are longer than the harness's (ceil(L/{2 * cp}) rows), so "
+                    "its rows are not the harness's")
+    elif sc.layout == "bshd":
+        if max(lengths) % tp:
+            return (f"verl's engine bshd packing pads the batch to a multiple of tp={tp}; the longest sample "
+                    f"({max(lengths)}) is not, so its rows are not the harness's ({max(lengths)} a batch row)")
+    return None
+
+
+class VerlActorTarget(VerlTarget):
+    """verl's actor call site: temperature, entropy and log-probs as MegatronPPOActor (legacy) or
+    MegatronEngineWithLMHead (with verl's own packing) compute them"""
+
+    name = "verl:actor"
+
+    def __init__(self, src: str | None = None, options: TargetConfig | None = None) -> None:
+        config = options or TargetConfig()
+        choice = config.get("call_site", "auto")
+        if choice not in ("auto", "legacy", "engine"):
+            raise BadInput(f"target 'verl:actor': option call_site={choice!r}: expected legacy, engine or auto")
+        self._choice = choice
+        super().__init__(src, options)
+        sites = self.era["call_sites"]
+        kind = ("legacy" if "legacy" in sites else "engine") if choice == "auto" else choice
+        if kind not in sites:
+            where = {"legacy": f"no logits_processor in {LEGACY_FILE}",
+                     "engine": f"no MegatronEngineWithLMHead logits processor in {ENGINE_FILE}"}
+            missing = [where[k] for k in (("legacy", "engine") if choice == "auto" else (kind,))]
+            raise BadInput(f"verl at {self._short()} has no actor call site to check: {'; '.join(missing)}")
+        self.kind, self.site = kind, sites[kind]
+        if kind == "engine":
+            if self.era["packing"] is None:
+                raise BadInput(f"verl at {self._short()}: an engine call site but no packing functions in {UTIL_FILE}")
+            if "label_mask" in self.site["params"]:
+                raise BadInput(f"verl at {self._short()}: the engine call site takes label_mask, which the "
+                               "adapter does not build (the engine forward of that era is not followed)")
+        if self.entropy_chunking and not self.site["entropy_chunking"]:
+            raise BadInput(f"target 'verl:actor': entropy_chunking=true, but the {kind} call site at {self._short()} "
+                           "never calls vocab_parallel_entropy_with_chunking")
+        self.capabilities = self._capabilities()
+        self.missing_config: set[str] = set()
+
+    def _capabilities(self) -> Capabilities:
+        if getattr(self, "kind", None) != "engine":
+            return super()._capabilities()
+        has_bshd = self.era["packing"]["bshd"]
+        reasons = [("allgather", ALLGATHER_WHY)]
+        if not has_bshd:
+            reasons.append(("bshd", f"verl at {self._short()}: the engine packs thd only (no preprocess_bshd_engine "
+                                    f"or preprocess_bshd_no_padding in {UTIL_FILE})"))
+        return VerlCapabilities(layouts=frozenset({"thd", "zigzag"} | ({"bshd"} if has_bshd else set())),
+                                entropy=True, layout_reasons=tuple(reasons), packing=True,
+                                reasons=(("replay_keep", REPLAY_WHY),))
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out.update({"call_site": {"kind": self.kind, **self.site}, "call_site_option": self._choice,
+                    "config_read_but_not_set": sorted(self.missing_config)})
+        if self.kind == "engine":
+            out["packing"] = self.era["packing"]
+        return out
+
+    def _site_function(self) -> tuple[Any, dict[str, Any], list[str]]:
+        if getattr(self, "_site", None) is None:
+            names = (TP_MODULE,) if self.kind == "legacy" else (TP_MODULE, UTIL_MODULE) + (
+                (TF_MODULE,) if "temperature" in self.site["params"] else ())
+            self.modules(names)
+            fn, namespace, free = compile_call_site(self.src, self.site)
+            unknown = [n for n in free if n not in self._known_free()] + [
+                p for p in self.site["params"] if p not in self._known_free() | {"logits", "label", "label_mask"}]
+            if unknown:
+                raise BadInput(f"verl at {self._short()}: {self.site['function']} reads {', '.join(unknown)}, which "
+                               "the adapter does not know how to set")
+            self._site = (fn, namespace, free)
+        return self._site
+
+    @staticmethod
+    def _known_free() -> set[str]:
+        return {"torch", "logger", "calculate_entropy", "temperature", "calculate_sum_pi_squared",
+                "distillation_use_topk", "distillation_only", "logits_processor_func", "batch", "data_format",
+                "self", *FUNCTIONS}
+
+    def _context(self, inputs: RankInputs) -> dict[str, Any]:
+        """What the call site's caller binds: module names and the closure's free variables."""
+        import torch
+
+        tp = self._modules[TP_MODULE]
+        logger = logging.getLogger(str(self.src / self.site["file"]))  # as verl's module: getLogger(__file__)
+        engine = types.SimpleNamespace(engine_config=_Config(
+            entropy_from_logits_with_chunking=self.entropy_chunking,
+            entropy_from_logits_chunk_size=verl_chunk(inputs.chunk_size)))
+        values: dict[str, Any] = {
+            "torch": torch, "logger": logger, "calculate_entropy": inputs.with_entropy,
+            "temperature": inputs.temperature, "calculate_sum_pi_squared": False, "distillation_use_topk": False,
+            "distillation_only": False, "logits_processor_func": None, "batch": None,
+            "data_format": inputs.qkv_format, "self": engine,
+        }
+        values.update({f: getattr(tp, f) for f in FUNCTIONS if hasattr(tp, f)})
+        return values
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        fn, namespace, free = self._site_function()
+        context = self._context(inputs)
+        namespace.update({k: context[k] for k in free})
+        params = self.site["params"]
+        lead = [context["self"]] if params[:1] == ["self"] else []
+        # keyword parameters (the method's calculate_entropy, data_format, ...) as its caller binds them
+        keywords = {p: context[p] for p in params[len(lead) + 1:] if p in context and p not in ("label", "temperature")}
+
+        def call(logits: Any, args: dict[str, Any]) -> dict[str, Any]:
+            return fn(*lead, logits, **args, **keywords)
+
+        try:
+            return self._legacy(call, inputs) if self.kind == "legacy" else self._engine(call, inputs)
+        finally:
+            self.missing_config |= context["self"].engine_config.__dict__["_missing"]
+
+    def _legacy(self, call: Any, inputs: RankInputs) -> RankOutputs:
+        """MegatronPPOActor's closure on the harness's rows: shifted labels and the label mask, as
+        the legacy forward_step built them (label[:, -R-1:-1] = responses) and packed them."""
+        labels = inputs.row_labels().view(inputs.logits.shape[:2])
+        args = {"label": labels, "label_mask": _mask_rows(inputs)}
+        ret = call(inputs.logits, {p: args[p] for p in self.site["params"] if p in args})
+        rows = inputs.scored_rows()
+        entropy = ret.get("entropy")
+        return RankOutputs(_take(ret["log_probs"], rows), _take(entropy, rows) if entropy is not None else None)
+
+    def _engine(self, call: Any, inputs: RankInputs) -> RankOutputs:
+        """MegatronEngineWithLMHead's logits processor with the arguments verl's engine forward
+        builds (forward_step, then gptmodel_forward_model_engine): nested ids, ``label`` a clone of
+        them, per-sample temperatures expanded as nested, each packed by verl's preprocess, and
+        the outputs unpacked by verl's postprocess."""
+        import torch
+
+        mods = self._modules
+        util = mods[UTIL_MODULE]
+        packing = self.era["packing"]
+        device = inputs.logits.device
+        batch_size = len(inputs.tokens)
+        input_ids = torch.nested.as_nested_tensor([t.to(device) for t in inputs.tokens], layout=torch.jagged)
+        lp_args: dict[str, Any] = {"label": input_ids.clone()}
+        if "temperature" in self.site["params"]:
+            temperature = torch.tensor([inputs.temperature] * batch_size, device=device).to(torch.float32)
+            lp_args["temperature"] = mods[TF_MODULE].expand_as_nested(temperature, input_ids)
+        if inputs.layout == "bshd":
+            pre, post = getattr(util, packing["bshd"]["preprocess"]), getattr(util, packing["bshd"]["postprocess"])
+            _, mask_bshd, _ = pre(input_ids, pre_process=True)
+            args = {k: pre(v, pre_process=True, need_roll=(k == "label"))[0] for k, v in lp_args.items()}
+            self._check_rows(inputs, lambda ids: pre(ids, pre_process=True)[0])
+            ret = call(inputs.logits, args)
+            out = {k: post(v, mask_bshd, post_process=True) for k, v in ret.items()}
+        else:
+            pre, post = getattr(util, packing["preprocess"]), getattr(util, packing["postprocess"])
+            roll = {"need_roll": True} if packing["need_roll"] else {}
+            packed_seq_params = pre(input_ids, pre_process=True)[1]
+            args = {k: pre(v, pre_process=True, **(roll if k == "label" else {}))[0] for k, v in lp_args.items()}
+            self._check_rows(inputs, lambda ids: pre(ids, pre_process=True)[0])
+            ret = call(inputs.logits, args)
+            out = {k: post(v, packed_seq_params, input_ids, batch_size, post_process=True) for k, v in ret.items()}
+        samples = inputs.rank_layout.scenario.samples
+        share = inputs.rank_layout.share
+
+        def pick(nested: Any) -> list:
+            return [nested[i][torch.tensor([samples[i].prompt - 1 + j for j in share[i]], dtype=torch.int64,
+                                           device=device)] for i in range(batch_size)]
+
+        return RankOutputs(pick(out["log_probs"]), pick(out["entropy"]) if "entropy" in out else None)
+
+    def _check_rows(self, inputs: RankInputs, pack: Any) -> None:
+        """verl's packing of position codes must put every token on the row the harness put it on
+        (the skip rule's promise); else the adapter's error, never a silent misalignment."""
+        import torch
+
+        layout = inputs.rank_layout
+        samples = layout.scenario.samples
+        big = 1 << 20
+        codes = torch.nested.as_nested_tensor(
+            [torch.arange(s.total, dtype=torch.int64) + (i + 1) * big for i, s in enumerate(samples)],
+            layout=torch.jagged)
+        got = pack(codes).reshape(-1).cpu()
+        want = torch.tensor([(stream + 1) * big + pos if stream < len(samples) and pos < samples[stream].total else 0
+                             for stream, pos in layout.row_positions()], dtype=torch.int64)
+        if got.shape != want.shape or not torch.equal(got, want):
+            raise RuntimeError(f"shardcheck's verl adapter: verl's packing puts this scenario's tokens on other rows "
+                               f"than the harness ({tuple(got.shape)} vs {tuple(want.shape)} rows); its skip rule "
+                               "(packing_mismatch) is wrong here")
+
+
+def target(variant: str | None = None, config: TargetConfig | None = None) -> VerlTarget:
+    """verl's Megatron log-prob and entropy functions from a source checkout (--verl-src, --target-src or SHARDCHECK_VERL_SRC)
+
+    With the variant ``actor``, the actor's own call site that combines them with the temperature."""
+    src = config.src if config is not None else None
+    if variant is None:
+        if config is not None and config.get("call_site") is not None:
+            raise BadInput("target 'verl': option call_site applies to verl:actor only")
+        return VerlTarget(src, config)
+    if variant == "actor":
+        return VerlActorTarget(src, config)
+    raise BadInput(f"target 'verl' has no variant {variant!r} (known: actor)")
+
+
+target.options = dict(OPTIONS)  # type: ignore[attr-defined]
+target.variants = {"actor": " ".join((VerlActorTarget.__doc__ or "").split())}  # type: ignore[attr-defined]
