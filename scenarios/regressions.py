@@ -33,6 +33,10 @@ def regressions() -> list[Scenario]:
                  layout="zigzag", entropy_coef=0.1, seed=206,
                  description="zigzag CP, responses starting on the first row of a CP chunk, with and without "
                  "zigzag padding (a length-dependent off-by-one)"),
+        Scenario("thd-tp2-bf16-wide", (Sample(40, 30), Sample(25, 20)), vocab=512, tp=2, dtype="bfloat16",
+                 with_entropy=False, seed=5,
+                 description="bfloat16 logits, a wide vocabulary: a log-softmax (or the softmax saved for "
+                 "backward) computed in half precision misses the gradient by a few percent"),
         Scenario("thd-one-device-edges", (Sample(23, 9), Sample(2, 1), Sample(9, 8)), vocab=37, entropy_coef=0.1,
                  log_probs_chunk_size=4, temperature=0.7, seed=207,
                  description="one device, packed: prompt 1, response 1, a chunk that does not divide the rows, "
@@ -63,9 +67,10 @@ def sampling() -> list[Scenario]:
     return [
         Scenario("sampling-thd-one-device", (Sample(21, 11), Sample(6, 5)), vocab=24, entropy_coef=0.1,
                  temperature=0.9, top_k=5, top_p=0.9, seed=31),
-        Scenario("sampling-thd-tp2-topk", (Sample(23, 12), Sample(14, 8)), vocab=32, tp=2, top_k=4, seed=32),
+        # packed rows a multiple of tp, as NeMo-RL's top-k/top-p path needs (it pads to make them so)
+        Scenario("sampling-thd-tp2-topk", (Sample(24, 12), Sample(14, 8)), vocab=32, tp=2, top_k=4, seed=32),
         Scenario("sampling-thd-tp2-topp", (Sample(23, 12), Sample(13, 8)), vocab=32, tp=2, top_p=0.7,
-                 temperature=1.3, seed=33),
+                 temperature=1.3, log_probs_chunk_size=4, seed=33),
         Scenario("sampling-bshd-tp2", (Sample(17, 9), Sample(12, 11)), vocab=32, tp=2, layout="bshd", top_k=8,
                  top_p=0.8, seed=34),
         Scenario("sampling-zigzag-tp2cp2", (Sample(36, 17), Sample(20, 12)), vocab=32, tp=2, cp=2,

@@ -111,18 +111,23 @@ COMMIT_ENV = "SHARDCHECK_TARGET_COMMIT"  # the commit a source without .git was 
 
 def source_commit(src: Any) -> str | None:
     """The commit a target's source checkout is at: ``SHARDCHECK_TARGET_COMMIT`` when bisect
-    exported it, else ``git rev-parse HEAD`` there; None for a folder without history."""
+    exported it, else ``git rev-parse HEAD`` there; None for a folder that is not the top of a
+    git work tree (an exported tree inside another repository must not take its commit)."""
     import os
     import subprocess
+    from pathlib import Path
 
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV]
     try:
-        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or None if out.returncode == 0 else None
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
+    lines = out.stdout.split()
+    if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != Path(src).resolve():
+        return None
+    return lines[1]
 
 
 @dataclass

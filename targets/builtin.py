@@ -324,7 +324,6 @@ class BuiltinTarget:
         none), so the all-reduce is in the autograd graph on every rank or on none.
         """
         lo = inputs.cp_rank * n_rows
-        hi = lo + n_rows
         parts = []
         seq_start = 0
         for value, total, response in zip(values, inputs.total_lengths, inputs.response_lengths):

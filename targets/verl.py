@@ -54,12 +54,10 @@ import ast
 import importlib
 import importlib.abc
 import importlib.machinery
-import inspect
 import logging
 import os
 import builtins
 import functools
-import subprocess
 import symtable
 import sys
 import types
@@ -68,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
 from shardcheck.scenarios.scenario import Scenario
 
 ENV = "SHARDCHECK_VERL_SRC"
@@ -153,7 +151,7 @@ def _engine_site(tree: ast.Module | None) -> tuple[ast.FunctionDef, str] | None:
         if cls.name != "MegatronEngineWithLMHead":
             continue
         for fn in _functions(cls, "_lm_head_logits_processor"):
-            return fn, f"MegatronEngineWithLMHead._lm_head_logits_processor"
+            return fn, "MegatronEngineWithLMHead._lm_head_logits_processor"
         for fn in _functions(cls, "logits_processor"):
             return fn, "MegatronEngineWithLMHead.forward_step.logits_processor"
     return None
@@ -218,14 +216,6 @@ def detect_era(src: Path) -> dict[str, Any]:
                               "bshd": None if bshd is None else {"preprocess": bshd[0], "postprocess": bshd[1]}}
             break
     return era
-
-
-def _commit(src: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,7 +409,7 @@ class VerlTarget:
     def __init__(self, src: str | None = None, options: TargetConfig | None = None) -> None:
         self.src = source(src)
         self.era = detect_era(self.src)
-        self.commit = os.environ.get("SHARDCHECK_VERL_COMMIT") or _commit(self.src)
+        self.commit = source_commit(self.src)
         config = options or TargetConfig()
         try:
             self.entropy_chunking = config.flag("entropy_chunking")

@@ -526,7 +526,7 @@ class OneDevice:
         self.config = config
         self.capabilities = Capabilities(
             layouts=frozenset({"thd", "bshd"}), tp_sizes=frozenset({1}), cp_sizes=frozenset({1}),
-            entropy=config.flag("entropy", True), dtypes=frozenset({"float32"}), replay_keep=True,
+            entropy=config.flag("entropy", True), dtypes=frozenset({"float32"}), replay_keep=True, sampling=True,
             reasons=(("tp", "no vocab-parallel code: one device's logits"), ("cp", "no context-parallel code")))
 
     def describe(self) -> dict:
@@ -549,6 +549,9 @@ class OneDevice:
             keep[torch.arange(len(labels)), labels] = True
             processed = torch.log_softmax(rows.masked_fill(~keep, float("-inf")), -1)
             token_logp = processed.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        if inputs.top_k > 0 or inputs.top_p < 1:  # the sampler's filter, from the logits themselves
+            kept = rows.masked_fill(~_sampler_keep(rows.detach(), inputs.top_k, inputs.top_p), float("-inf"))
+            token_logp = torch.log_softmax(kept, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         return RankOutputs([token_logp[r] for r in share],
                            [entropy[r] for r in share] if inputs.with_entropy else None)
 
@@ -561,6 +564,19 @@ def one_device(config=None) -> OneDevice:
 
 one_device.options = {"entropy": "compute the entropy (default true)",
                       "shift_labels": "take each row's label one row late (a planted bug)"}
+
+
+def _sampler_keep(s: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """A top-k then top-p filter's keep mask, plainly, in the logits' precision."""
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if top_k > 0:
+        keep &= s >= s.topk(top_k, dim=-1).values[:, -1:]
+    if top_p < 1:
+        ascending, order = s.masked_fill(~keep, float("-inf")).sort(dim=-1)
+        kept = ascending.softmax(-1).cumsum(-1) > 1 - top_p
+        kept[:, -1] = True
+        keep &= torch.zeros_like(kept).scatter(-1, order, kept)
+    return keep
 
 
 class SamplingTp1(BuiltinTarget):
@@ -576,16 +592,7 @@ class SamplingTp1(BuiltinTarget):
         rows = inputs.logits[0].float() / inputs.temperature
         labels = inputs.row_labels()
         if self.filtered:
-            s = rows.detach()
-            keep = torch.ones_like(s, dtype=torch.bool)
-            if inputs.top_k > 0:
-                keep &= s >= s.topk(inputs.top_k, dim=-1).values[:, -1:]
-            if inputs.top_p < 1:
-                ascending, order = s.masked_fill(~keep, float("-inf")).sort(dim=-1)
-                kept = ascending.softmax(-1).cumsum(-1) > 1 - inputs.top_p
-                kept[:, -1] = True
-                keep &= torch.zeros_like(kept).scatter(-1, order, kept)
-            rows = rows.masked_fill(~keep, float("-inf"))
+            rows = rows.masked_fill(~_sampler_keep(rows.detach(), inputs.top_k, inputs.top_p), float("-inf"))
         logp = torch.log_softmax(rows, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         plain = inputs.logits[0].float() / inputs.temperature
         entropy = -(torch.softmax(plain, -1) * torch.log_softmax(plain, -1)).sum(-1)

@@ -9,7 +9,7 @@ from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
 from shardcheck.scenarios import SUITES, get_suite
 from shardcheck.targets import TargetConfig, resolve
-from shardcheck.targets.base import OPTS_ENV, SRC_ENV
+from shardcheck.targets.base import OPTS_ENV
 
 
 def test_options_reach_a_factory_that_takes_config_and_unknown_keys_are_refused(tmp_path):

@@ -1,0 +1,593 @@
+"""NVIDIA-NeMo/RL's vocab-parallel log-prob and entropy functions, loaded from a source checkout:
+``--target nemo_rl`` and its variants.
+
+What is checked, from ``nemo_rl/distributed/model_utils.py``:
+
+- ``from_parallel_logits_to_logprobs_packed_sequences`` (thd, zigzag CP): packed sequences with
+  ``cu_seqlens_padded``, the targets rolled and CP-sharded inside NeMo-RL, as its Megatron
+  ``LogprobsPostProcessor`` calls it (``target_is_pre_rolled=False``), but with
+  ``inference_only=False`` so that its backward is checked too;
+- ``from_parallel_logits_to_logprobs`` (bshd; and thd/zigzag one sample at a time in the
+  ``per_sequence`` variant), with ``chunk_size`` (``ChunkedDistributedLogprob``) or without
+  (``DistributedLogprob``), and CP through ``AllGatherCPTensor``;
+- ``ChunkedDistributedEntropy``, which returns ``sum_v p_v log p_v``: the NEGATIVE entropy. The
+  adapter negates it (``entropy = -ChunkedDistributedEntropy(...)``) on the rank's own rows; no CP
+  gather is needed for a per-row quantity, so none is made.
+
+Variants, each one of NeMo-RL's calling conventions: the default and ``sampling`` call as its
+``LogprobsPostProcessor`` does (the logits as they come, ``chunk_size`` as configured);
+``per_sequence`` (``SequencePackingLossWrapper``: each sample's slice through
+``from_parallel_logits_to_logprobs``) and ``pre_rolled`` (``prepare_packed_loss_input``, the fused
+packed loss: ``target_is_pre_rolled=True``) as its loss path does (float32 logits unless
+chunking). ``sampling`` passes ``sampling_params`` (top-k/top-p from the scenario, where it has
+them: ``DistributedLogprobWithSampling`` / ``ChunkedDistributedLogprobWithSampling``).
+
+NeMo-RL's layout is shardcheck's: with CP, every sequence is padded to a multiple of ``2 * cp``
+(``make_sequence_length_divisible_by``; ``_pack_sequences_for_megatron`` pads each one to
+``round_up(L, 2 * cp)``) and cut into ``2 * cp`` chunks, rank r holding chunks r and
+``2 * cp - 1 - r``; ``cu_seqlens_padded`` holds the padded boundaries. At cp = 1 nothing is
+padded (``cu_seqlens_padded`` is ``cu_seqlens``). A chunk size of -1 is ``chunk_size=None``
+(``policy.logprob_chunk_size`` unset, NeMo-RL's default).
+
+Temperature: NeMo-RL's ``forward_with_post_processing_fn`` divides the model's output by the
+temperature (``apply_temperature_scaling``: ``logits.div_(T)``, in place) before any of these
+functions sees it; top-k/top-p filtering happens after, inside them. The adapter divides out of
+place (``logits / T``), the same values; ``--target-opt temperature_in_place=true`` does the
+caller's ``div_`` instead (the harness then reports that write as ``input_mutated``: it belongs
+to that caller, not to the functions covered).
+
+CPU: ``AllGatherCPTensor.backward`` builds its index with ``torch.tensor(..., pin_memory=True)
+.cuda()``, so every cp > 1 path fails on a CPU world. Where the source has that and this machine
+has fewer than two CUDA devices (a CP world needs nccl with one GPU per rank), cp > 1 scenarios
+are skipped with that reason; ``--target-opt cp_on_cpu=true`` runs them anyway (each then fails
+with NeMo-RL's error). All-gather CP is not NeMo-RL's (its CP is zigzag only): skipped.
+
+Loading: the modules are NeMo-RL's own files, imported under their own names from the checkout.
+The package ``__init__.py`` files are not run (``nemo_rl/__init__.py`` configures the root
+logger, sets ``RAY_USAGE_STATS_ENABLED`` and edits ``sys.path``); no bytecode is written into the
+checkout; a module it imports that is missing here is stubbed only if it is in
+:data:`STUBBABLE`, and ``describe()`` says which. ``release()`` undoes all of it.
+
+The signatures changed over NeMo-RL's history; :func:`detect_era` reads them from the source
+(``group`` -> ``tp_group``, ``cp_group``, ``chunk_size``, ``sampling_params``,
+``target_is_pre_rolled``, the packed function, the entropy class).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.scenarios.scenario import Scenario
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
+
+ENV = "SHARDCHECK_NEMO_RL_SRC"
+MODEL_UTILS = Path("nemo_rl/distributed/model_utils.py")
+MODULE = "nemo_rl.distributed.model_utils"
+SAMPLING_MODULE = "nemo_rl.algorithms.logits_sampling_utils"
+# Modules model_utils imports at one commit or another that the functions checked do not use.
+STUBBABLE = ("ray", "transformer_engine", "apex", "wandb")
+
+LOGPROBS = "from_parallel_logits_to_logprobs"
+PACKED = "from_parallel_logits_to_logprobs_packed_sequences"
+ENTROPY = "ChunkedDistributedEntropy"
+
+OPTIONS = {
+    "cp_on_cpu": "true: run cp > 1 scenarios on a CPU world although NeMo-RL's AllGatherCPTensor.backward "
+                 "needs CUDA (pin_memory + .cuda()); each then fails with NeMo-RL's error",
+    "temperature_in_place": "true: divide the given logits in place (logits.div_(T)) as NeMo-RL's "
+                            "apply_temperature_scaling (models/megatron/train.py) does, instead of out of place; "
+                            "the harness then reports that write as input_mutated at the adapter's line",
+}
+
+
+def source(src: str | None = None) -> Path:
+    """The checkout named by ``src`` (``--nemo-rl-src``/``--target-src``) or SHARDCHECK_NEMO_RL_SRC;
+    BadInput (one line) naming the problem when it is not given or not a NeMo-RL checkout."""
+    value = src or os.environ.get(ENV)
+    if not value:
+        raise BadInput(f"the nemo_rl target needs a NeMo-RL source checkout: give --nemo-rl-src DIR or set {ENV}")
+    path = Path(value).expanduser().resolve()
+    if not (path / MODEL_UTILS).is_file():
+        raise BadInput(f"{str(path)!r} is not a NeMo-RL checkout (no {MODEL_UTILS})")
+    return path
+
+
+def _params(fn: ast.FunctionDef) -> list[str]:
+    return [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+
+
+def detect_era(src: Path) -> dict[str, Any]:
+    """What this checkout's model_utils offers and how its functions are called, from its source."""
+    text = (src / MODEL_UTILS).read_text()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as exc:
+        raise BadInput(f"NeMo-RL at {src} cannot be imported: {MODEL_UTILS} line {exc.lineno}: {exc.msg}") from None
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    if LOGPROBS not in functions:
+        raise BadInput(f"{src / MODEL_UTILS} has no {LOGPROBS}")
+    logprobs = _params(functions[LOGPROBS])
+    packed = _params(functions[PACKED]) if PACKED in functions else None
+    # x.cuda(...), torch.cuda.*, pin_memory=True, device="cuda": what needs a CUDA device
+    cuda_lines = sorted({(n.end_lineno or n.lineno, _enclosing(tree, n)) for n in ast.walk(tree)
+                         if (isinstance(n, ast.Attribute) and n.attr == "cuda")
+                         or (isinstance(n, ast.keyword) and n.arg == "pin_memory"
+                             and not (isinstance(n.value, ast.Constant) and not n.value.value))
+                         or (isinstance(n, ast.Constant) and isinstance(n.value, str)
+                             and n.value.split(":")[0] == "cuda")})
+    gather_cuda = [line for line, where in cuda_lines if where == "AllGatherCPTensor.backward"]
+    return {
+        "logprobs_params": logprobs,
+        "tp_group_name": logprobs[4] if len(logprobs) > 4 else None,
+        "cp": "cp_group" in logprobs,
+        "chunking": "chunk_size" in logprobs,
+        "sampling": "sampling_params" in logprobs,
+        "packed": packed is not None,
+        "packed_params": packed,
+        "pre_rolled": bool(packed) and "target_is_pre_rolled" in packed,
+        "entropy": ENTROPY in classes,
+        # every .cuda() in the file, with where it is (function or Class.method)
+        "cuda_calls": [f"{where}:{line}" for line, where in cuda_lines],
+        "cp_backward_needs_cuda": gather_cuda[0] if gather_cuda else None,
+    }
+
+
+def _enclosing(tree: ast.Module, node: ast.AST) -> str:
+    line = getattr(node, "lineno", 0)
+    for top in tree.body:
+        if isinstance(top, (ast.FunctionDef, ast.ClassDef)) and top.lineno <= line <= (top.end_lineno or 0):
+            if isinstance(top, ast.ClassDef):
+                for sub in top.body:
+                    if isinstance(sub, ast.FunctionDef) and sub.lineno <= line <= (sub.end_lineno or 0):
+                        return f"{top.name}.{sub.name}"
+            return top.name
+    return "<module>"
+
+
+class _Stub(types.ModuleType):
+    """A module model_utils imports but the functions checked do not use."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self.__name__}.{attr}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _Stub(f"{self.__name__}()")
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+
+class _Packages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``nemo_rl`` and its sub-packages from the checkout, as packages whose ``__init__.py`` is not
+    run; their modules are the checkout's files, loaded as they are."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.shells: list[str] = []
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "nemo_rl" and not name.startswith("nemo_rl."):
+            return None
+        where = self.root.joinpath(*name.split("."))
+        if where.is_dir():
+            spec = importlib.machinery.ModuleSpec(name, self, is_package=True)
+            spec.submodule_search_locations = [str(where)]
+            return spec
+        if where.with_suffix(".py").is_file():
+            return importlib.util.spec_from_file_location(name, where.with_suffix(".py"))
+        return None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.shells.append(module.__name__)  # an empty package: its __init__.py is not run
+
+
+def import_model_utils(src: Path, undo: list | None = None) -> tuple[types.ModuleType, types.ModuleType | None,
+                                                                      list[str], list[str]]:
+    """NeMo-RL's model_utils (and logits_sampling_utils where it exists) from ``src``, the modules
+    stubbed and the packages whose ``__init__.py`` was not run. What this sets process-wide is put
+    back by the callables appended to ``undo``."""
+    undo = [] if undo is None else undo
+    ours = lambda m: m == "nemo_rl" or m.startswith("nemo_rl.")  # noqa: E731
+    saved = {m: sys.modules.pop(m) for m in [m for m in sys.modules if ours(m)]}
+    before = set(sys.modules)
+
+    def restore() -> None:
+        for m in [m for m in sys.modules if m not in before and (ours(m) or m in STUBBABLE)]:
+            del sys.modules[m]
+        sys.modules.update(saved)
+
+    undo.append(restore)
+    finder = _Packages(src)
+    sys.meta_path.insert(0, finder)
+    undo.append(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
+    wrote_bytecode = sys.dont_write_bytecode
+    undo.append(lambda: setattr(sys, "dont_write_bytecode", wrote_bytecode))
+    sys.dont_write_bytecode = True  # never write into the user's checkout
+    stubs: list[str] = []
+    for _ in range(len(STUBBABLE) + 1):
+        try:
+            module = importlib.import_module(MODULE)
+            break
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "").split(".")[0]
+            if missing not in STUBBABLE or missing in stubs:
+                raise BadInput(f"NeMo-RL at {src} cannot be imported: {exc}") from None
+            for name in [m for m in sys.modules if ours(m)]:
+                del sys.modules[name]
+            sys.modules[missing] = _Stub(missing)
+            stubs.append(missing)
+        except Exception as exc:  # a broken commit: reported as such
+            raise BadInput(f"NeMo-RL at {src} cannot be imported: {type(exc).__name__}: {exc}") from None
+    else:
+        raise BadInput(f"NeMo-RL at {src} cannot be imported")
+    sampling = sys.modules.get(SAMPLING_MODULE)
+    return module, sampling, stubs, list(dict.fromkeys(finder.shells))  # a retry after a stub runs them again
+
+
+class _Capabilities(Capabilities):
+    """Capabilities with a reason per unsupported layout, and NeMo-RL's own shape requirements of
+    the top-k/top-p path (sampling variant)."""
+
+    def __init__(self, *, layout_reasons: dict[str, str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        object.__setattr__(self, "layout_reasons", dict(layout_reasons))
+
+    def skip_reason(self, scenario: Scenario) -> str | None:
+        reasons: dict[str, str] = self.layout_reasons  # type: ignore[attr-defined]
+        if scenario.layout not in self.layouts and scenario.layout in reasons:
+            return reasons[scenario.layout]
+        why = super().skip_reason(scenario)
+        if why is None and self.sampling:
+            why = sampling_shape_reason(scenario)
+        return why
+
+
+def scenario_sampling(obj: Any) -> tuple[int | None, float] | None:
+    """(top_k, top_p) of a scenario or RankInputs (``top_k``/``top_p``; 0 and 1.0: off), as
+    NeMo-RL's TrainingSamplingParams spell it (top_k None: off), or None when nothing filters."""
+    top_k, top_p = int(getattr(obj, "top_k", 0) or 0), float(getattr(obj, "top_p", 1.0))
+    if top_k <= 0 and top_p >= 1.0:
+        return None
+    return (top_k if top_k > 0 else None), top_p
+
+
+def _filters(sampling: tuple[int | None, float] | None) -> bool:
+    if sampling is None:
+        return False
+    top_k, top_p = sampling
+    return (top_k is not None and top_k > 0) or top_p != 1.0
+
+
+def _padded(total: int, cp: int) -> int:
+    """NeMo-RL's padded sequence length: a multiple of 2 * cp when cp > 1, as it is."""
+    return total if cp == 1 else -(-total // (2 * cp)) * 2 * cp
+
+
+def sampling_shape_reason(scenario: Scenario) -> str | None:
+    """Why NeMo-RL's top-k/top-p path cannot take this scenario's layout, or None. Its
+    DistributedLogprobWithSampling moves the rows to a row-parallel layout with an all-to-all:
+    B * S (local rows) must divide by tp, and with chunking chunk_size * B too; NeMo-RL gets that
+    by padding sequences (policy.make_sequence_length_divisible_by = tp), a layout shardcheck does
+    not build."""
+    if not _filters(scenario_sampling(scenario)) or scenario.tp == 1:
+        return None
+    totals = [s.total for s in scenario.samples]
+    if scenario.layout == "bshd":
+        batch, rows = len(totals), max(totals)
+    else:
+        batch, rows = 1, sum(_padded(t, scenario.cp) for t in totals) // scenario.cp
+    if (batch * rows) % scenario.tp:
+        return (f"NeMo-RL's top-k/top-p path needs B*S={batch * rows} local rows divisible by tp={scenario.tp} "
+                "(it pads sequences to policy.make_sequence_length_divisible_by, a layout shardcheck does not build)")
+    chunk = scenario.log_probs_chunk_size
+    if chunk > 0 and (chunk * batch) % scenario.tp:
+        return (f"NeMo-RL's chunked top-k/top-p path needs chunk_size*B={chunk * batch} divisible by "
+                f"tp={scenario.tp} (ChunkedDistributedLogprobWithSampling raises otherwise)")
+    return None
+
+
+VARIANTS = {
+    "per_sequence": "from_parallel_logits_to_logprobs on each sample's logits slice for thd/zigzag (NeMo-RL's "
+                    "default packed training path: SequencePackingLossWrapper -> prepare_loss_input -> "
+                    "get_next_token_logprobs_from_logits), bshd as the default",
+    "pre_rolled": "from_parallel_logits_to_logprobs_packed_sequences with target_is_pre_rolled=True and the "
+                  "targets rolled and CP-sharded outside (NeMo-RL's fused packed loss, "
+                  "sequence_packing.fuse_loss), bshd as the default",
+    "sampling": "the default paths with sampling_params=TrainingSamplingParams(top_k, top_p, temperature) from "
+                "the scenario (DistributedLogprobWithSampling / ChunkedDistributedLogprobWithSampling); a "
+                "scenario without top-k/top-p passes params that filter nothing",
+}
+
+
+class NemoRLTarget:
+    """NVIDIA-NeMo/RL's from_parallel_logits_to_logprobs(_packed_sequences) and ChunkedDistributedEntropy from a source checkout (--nemo-rl-src, --target-src or SHARDCHECK_NEMO_RL_SRC)"""
+
+    def __init__(self, variant: str | None = None, src: str | None = None,
+                 config: TargetConfig | None = None) -> None:
+        if variant is not None and variant not in VARIANTS:
+            raise BadInput(f"target 'nemo_rl' has no variant {variant!r} (known: {', '.join(sorted(VARIANTS))})")
+        config = config or TargetConfig()
+        try:
+            self.cp_on_cpu = config.flag("cp_on_cpu")
+            self.temperature_in_place = config.flag("temperature_in_place")
+        except ValueError as exc:
+            raise BadInput(f"target 'nemo_rl': {exc}") from None
+        self.variant = variant
+        self.name = "nemo_rl" if variant is None else f"nemo_rl:{variant}"
+        self.src = source(src)
+        self.era = detect_era(self.src)
+        self.commit = source_commit(self.src)
+        if variant == "pre_rolled" and not self.era["pre_rolled"]:
+            raise BadInput(f"NeMo-RL at {self._short()} has no target_is_pre_rolled (the fused packed loss came "
+                           "later): use the default nemo_rl target")
+        if variant == "sampling" and not self.era["sampling"]:
+            raise BadInput(f"NeMo-RL at {self._short()} takes no sampling_params (top-k/top-p came later)")
+        self.capabilities = self._capabilities()
+        self._mod: Any = None
+        self._sampling_mod: Any = None
+        self._undo: list[Any] = []
+        self.stubs: list[str] = []
+        self.package_inits_not_run: list[str] = []
+
+    def _short(self) -> str:
+        return self.commit[:10] if self.commit else self.src.name
+
+    def _capabilities(self) -> Capabilities:
+        era = self.era
+        layouts = {"bshd"}
+        reasons: dict[str, str] = {
+            "allgather": "NeMo-RL has no all-gather CP: its Megatron CP is zigzag (2*cp load-balanced chunks "
+                         "per sequence) only"}
+        if self.variant == "per_sequence":
+            layouts.add("thd")
+            if era["cp"]:
+                layouts.add("zigzag")
+            else:
+                reasons["zigzag"] = f"NeMo-RL at {self._short()}: {LOGPROBS} takes no cp_group (no CP yet)"
+        elif era["packed"]:
+            layouts |= {"thd", "zigzag"}
+        else:
+            reasons["thd"] = reasons["zigzag"] = (f"NeMo-RL at {self._short()} has no {PACKED} "
+                                                  "(sequence packing came later)")
+        cp_sizes = None
+        cp_reason = ""
+        line = era["cp_backward_needs_cuda"]
+        if line and not self.cp_on_cpu and _cuda_devices() < 2:
+            cp_sizes = frozenset({1})
+            cp_reason = (f"NeMo-RL's AllGatherCPTensor.backward (model_utils.py:{line}) builds its index with "
+                         "pin_memory=True and .cuda(): cp > 1 needs a CUDA world (nccl, one GPU per rank; "
+                         f"{_cuda_devices()} here); --target-opt cp_on_cpu=true runs it anyway")
+        kwargs: dict[str, Any] = {}
+        if cp_sizes is not None:
+            kwargs["cp_sizes"] = cp_sizes
+        return _Capabilities(
+            layout_reasons=reasons, sampling=self.variant == "sampling",
+            layouts=frozenset(layouts), entropy=bool(era["entropy"]),
+            replay_keep=False,
+            reasons=(("layout", f"NeMo-RL at {self._short()} supports {', '.join(sorted(layouts))}"),
+                     ("entropy", f"NeMo-RL at {self._short()} has no {ENTROPY}"),
+                     ("cp", cp_reason),
+                     ("replay_keep", "NeMo-RL does not replay the rollout's keep sets: it recomputes "
+                                     "top-k/top-p from the training logits (nemo_rl:sampling)")),
+            **kwargs,
+        )
+
+    def release(self) -> None:
+        """Undo what importing NeMo-RL set in this process (the rank moves to another target)."""
+        while self._undo:
+            self._undo.pop()()
+        self._mod = self._sampling_mod = None
+
+    def describe(self) -> dict[str, Any]:
+        version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
+        return {
+            "name": self.name, "version": version, "commit": self.commit, "src": str(self.src),
+            "era": {k: v for k, v in self.era.items() if k not in ("logprobs_params", "packed_params")},
+            "stubbed_modules": self.stubs,
+            "package_inits_not_run": self.package_inits_not_run,
+            "functions": self._functions(),
+            "entropy": f"-{ENTROPY} (it returns sum p log p, the negative entropy; the adapter negates it)",
+            "temperature": ("logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
+                            else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
+            "cp_on_cpu": self.cp_on_cpu,
+        }
+
+    def _functions(self) -> dict[str, str]:
+        packed = PACKED + (" (target_is_pre_rolled=True)" if self.variant == "pre_rolled" else
+                           " (targets rolled inside)")
+        thd = f"{LOGPROBS} per sample" if self.variant == "per_sequence" else packed
+        out = {"thd, zigzag": thd, "bshd": LOGPROBS}
+        if self.variant == "sampling":
+            out["sampling"] = "sampling_params=TrainingSamplingParams(top_k, top_p, temperature)"
+        return out
+
+    def _module(self) -> Any:
+        if self._mod is None:
+            self._mod, self._sampling_mod, self.stubs, self.package_inits_not_run = import_model_utils(
+                self.src, self._undo)
+            self._logprobs_params = set(inspect.signature(getattr(self._mod, LOGPROBS)).parameters)
+            packed = getattr(self._mod, PACKED, None)
+            self._packed_params = set(inspect.signature(packed).parameters) if packed is not None else set()
+        return self._mod
+
+    # ---- the calls ------------------------------------------------------------------------
+    #
+    # Two calling conventions, each NeMo-RL's own:
+    # - "post-processor" (default, sampling): as LogprobsPostProcessor calls the functions: the
+    #   logits as they come (no cast), chunk_size as configured, even with top-k/top-p;
+    # - "training" (per_sequence, pre_rolled): as the loss path (get_next_token_logprobs_from_logits,
+    #   prepare_packed_loss_input) calls them: float32 logits unless chunking, and no chunking with
+    #   top-k/top-p.
+    # Both with inference_only=False, so that the backward is checked.
+
+    @property
+    def training_convention(self) -> bool:
+        return self.variant in ("per_sequence", "pre_rolled")
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        mod = self._module()
+        logits = inputs.logits
+        if inputs.temperature != 1.0:  # NeMo-RL's caller scales the model output before these functions
+            logits = logits.div_(inputs.temperature) if self.temperature_in_place else logits / inputs.temperature
+        chunk = inputs.chunk_size if inputs.chunk_size > 0 else None
+        v_local = logits.size(-1)
+        start, end = inputs.tp_rank * v_local, (inputs.tp_rank + 1) * v_local
+        sampling = self._sampling_params(inputs) if self.variant == "sampling" else None
+        entropy_logits = logits
+        if self.training_convention:
+            if chunk is None:
+                import torch
+
+                logits = logits.to(torch.float32)
+        if inputs.layout == "bshd":
+            log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
+        elif self.variant == "per_sequence":
+            log_probs = self._per_sequence(mod, logits, inputs, start, end, chunk)
+        else:
+            log_probs = self._packed(mod, logits, inputs, start, end, chunk, sampling)
+        entropy = None
+        if inputs.with_entropy:
+            rows = inputs.scored_rows()
+            if rows is None:
+                raise ValueError(f"nemo_rl: layout {inputs.layout} has no local rows for the share")
+            # NeMo-RL's only caller (get_distillation_topk_logprobs_from_logits) chunks by
+            # min(local rows, 1024); a scenario's chunk size is used where it sets one
+            ent_chunk = chunk or max(1, min(int(entropy_logits.shape[1]), 1024))
+            neg = getattr(mod, ENTROPY).apply(entropy_logits, ent_chunk, inputs.tp_group, False)
+            flat = -neg.reshape(-1)  # sum p log p is the negative entropy
+            entropy = [flat[r] for r in rows]
+        return RankOutputs(log_probs, entropy)
+
+    def _kwargs(self, params: set[str], inputs: RankInputs, chunk: int | None, sampling: Any) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"inference_only": False}
+        if "cp_group" in params:
+            kwargs["cp_group"] = inputs.cp_group
+        elif inputs.cp_size > 1:
+            raise ValueError(f"NeMo-RL at {self._short()} takes no cp_group here")
+        if "chunk_size" in params:
+            kwargs["chunk_size"] = chunk
+        if sampling is not None:
+            kwargs["sampling_params"] = sampling
+        return kwargs
+
+    def _share(self, inputs: RankInputs) -> list[Any]:
+        """Per sample, the response token indices this rank returns (its zigzag chunks' tokens,
+        in position order: what it holds)."""
+        return [tokens for _, tokens in inputs.held_rows()]
+
+    def _bshd(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int, chunk: int | None,
+              sampling: Any) -> list[Any]:
+        """NeMo-RL's unpacked path: input_ids [B, S] right-padded; out[:, p] scores token p + 1."""
+        import torch
+
+        width = logits.shape[1]
+        target = torch.zeros(len(inputs.tokens), width, dtype=inputs.tokens[0].dtype, device=logits.device)
+        for i, toks in enumerate(inputs.tokens):
+            target[i, :toks.numel()] = toks.to(logits.device)
+        out = getattr(mod, LOGPROBS)(logits, target, start, end, inputs.tp_group,
+                                     **self._kwargs(self._logprobs_params, inputs, chunk, sampling))
+        out = out[:, :width - 1]  # as the caller slices off CP padding
+        return [out[r // width, r % width] for r in inputs.scored_rows()]
+
+    def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,
+                      chunk: int | None) -> list[Any]:
+        """SequencePackingLossWrapper: each sample's (padded, CP-local) logits slice and its
+        unpadded input_ids go through get_next_token_logprobs_from_logits, i.e.
+        from_parallel_logits_to_logprobs with a batch of one."""
+        cp = inputs.cp_size
+        offset = 0
+        out = []
+        kwargs = self._kwargs(self._logprobs_params, inputs, chunk, None)
+        for toks, total, response, share in zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths,
+                                                self._share(inputs)):
+            local = _padded(total, cp) // cp
+            piece = logits.narrow(1, offset, local)
+            offset += local
+            lp = getattr(mod, LOGPROBS)(piece, toks.to(logits.device).unsqueeze(0), start, end, inputs.tp_group,
+                                        **kwargs)
+            lp = lp[:, :total - 1]  # as the caller slices off CP padding
+            out.append(lp[0, (total - response - 1) + share.to(lp.device)])
+        if offset != logits.shape[1]:
+            raise ValueError(f"nemo_rl: {logits.shape[1]} local rows, NeMo-RL's layout has {offset}")
+        return out
+
+    def _packed(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int, chunk: int | None,
+                sampling: Any) -> list[Any]:
+        """from_parallel_logits_to_logprobs_packed_sequences over the packed batch."""
+        import torch
+
+        cp = inputs.cp_size
+        device = logits.device
+        bounds = [0]
+        for total in inputs.total_lengths:
+            bounds.append(bounds[-1] + _padded(total, cp))
+        if bounds[-1] // cp != logits.shape[1]:
+            raise ValueError(f"nemo_rl: {logits.shape[1]} local rows, NeMo-RL's layout has {bounds[-1] // cp}")
+        cu_seqlens_padded = torch.tensor(bounds, dtype=torch.int32, device=device)
+        unpacked = max(inputs.total_lengths)  # the unpacked input_ids' width
+        kwargs = self._kwargs(self._packed_params, inputs, chunk, sampling)
+        if self.variant == "pre_rolled":
+            # prepare_packed_loss_input: each sequence's targets rolled by one and CP-sharded outside
+            # (a row's target is the next token; rows that score none get 0, as padding does)
+            target = inputs.row_labels().unsqueeze(0)
+            kwargs["target_is_pre_rolled"] = True
+        else:
+            # LogprobsPostProcessor: the whole padded packed input_ids, rolled inside NeMo-RL
+            target = torch.zeros(1, bounds[-1], dtype=inputs.tokens[0].dtype, device=device)
+            for toks, lo in zip(inputs.tokens, bounds):
+                target[0, lo:lo + toks.numel()] = toks.to(device)
+        out = getattr(mod, PACKED)(logits, target, cu_seqlens_padded, unpacked, start, end, inputs.tp_group,
+                                   **kwargs)
+        return [out[i, (total - response - 1) + share.to(out.device)]
+                for i, (total, response, share) in enumerate(zip(inputs.total_lengths, inputs.response_lengths,
+                                                                 self._share(inputs)))]
+
+    def _sampling_params(self, inputs: RankInputs) -> Any:
+        cls = getattr(self._sampling_mod, "TrainingSamplingParams", None)
+        if cls is None:
+            raise ValueError(f"NeMo-RL at {self._short()} has no TrainingSamplingParams")
+        asked = scenario_sampling(inputs)
+        top_k, top_p = asked if asked is not None else (None, 1.0)
+        return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA set-up counts as none
+        return 0
+
+
+def target(variant: str | None = None, config: TargetConfig | None = None) -> NemoRLTarget:
+    """NVIDIA-NeMo/RL's from_parallel_logits_to_logprobs(_packed_sequences) and ChunkedDistributedEntropy from a source checkout (--nemo-rl-src, --target-src or SHARDCHECK_NEMO_RL_SRC)
+
+    Variants: per_sequence, pre_rolled, sampling (``shardcheck targets``)."""
+    src = config.src if config is not None else None
+    return NemoRLTarget(variant, src, config)
+
+
+target.options = dict(OPTIONS)  # type: ignore[attr-defined]
+target.variants = dict(VARIANTS)  # type: ignore[attr-defined]

@@ -1,0 +1,326 @@
+"""The nemo_rl target. Checking real NeMo-RL needs a checkout (never pip install nemo-rl: it pulls
+ray, vLLM and more): set SHARDCHECK_NEMO_RL_SRC to a clone of NVIDIA-NeMo/RL. Era detection,
+capabilities, the import's hygiene and bad input are checked on small fake checkouts without it;
+the historical fix needs SHARDCHECK_NEMO_RL_REPO (a clone with its history)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import run_cli
+from shardcheck.errors import BadInput
+from shardcheck.scenarios import suites
+from shardcheck.targets import nemo_rl
+from shardcheck.targets.base import TargetConfig
+from shardcheck.targets.nemo_rl import ENV, detect_era, import_model_utils, source
+
+NEMO_RL_SRC = os.environ.get(ENV)
+needs_nemo_rl = pytest.mark.skipif(not NEMO_RL_SRC, reason=f"{ENV} is not set: no NeMo-RL checkout to check "
+                                   "(clone NVIDIA-NeMo/RL and point it there; never pip install nemo-rl)")
+
+OLD = """
+    import torch
+
+    def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index,
+                                         group, inference_only=False):
+        return None
+    """
+
+NEW = """
+    import torch
+
+    def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index,
+                                         tp_group, inference_only=False, cp_group=None, chunk_size=None,
+                                         sampling_params=None):
+        return None
+
+    def from_parallel_logits_to_logprobs_packed_sequences(vocab_parallel_logits, target, cu_seqlens_padded,
+                                                          unpacked_seqlen, vocab_start_index, vocab_end_index,
+                                                          group, inference_only=False, cp_group=None,
+                                                          chunk_size=None, sampling_params=None,
+                                                          target_is_pre_rolled=False):
+        return None
+
+    class ChunkedDistributedEntropy(torch.autograd.Function):
+        pass
+
+    class AllGatherCPTensor(torch.autograd.Function):
+        def backward(ctx, grad_output):
+            index = torch.tensor(
+                [0, 1], device="cpu", pin_memory=True
+            ).cuda(non_blocking=True)
+            return grad_output.index_select(1, index), None, None
+    """
+
+
+def _line(text: str, fragment: str) -> int:
+    return next(i for i, line in enumerate(textwrap.dedent(text).splitlines(), 1) if fragment in line)
+
+
+PIN, CUDA = _line(NEW, "pin_memory"), _line(NEW, ".cuda(")
+
+
+def _fake_checkout(root, model_utils: str, files: dict | None = None):
+    path = root / "nemo_rl" / "distributed" / "model_utils.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(textwrap.dedent(model_utils))
+    for name, text in (files or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+    return root
+
+
+def _scenario(name: str):
+    return next(s for s in suites.get_suite("smoke") if s.name == name)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(nemo_rl, "_cuda_devices", lambda: 0)
+
+
+def test_era_of_an_old_checkout(tmp_path):
+    era = detect_era(_fake_checkout(tmp_path, OLD))
+    assert era["tp_group_name"] == "group"
+    assert not era["cp"] and not era["chunking"] and not era["sampling"]
+    assert not era["packed"] and not era["pre_rolled"] and not era["entropy"]
+    assert era["cuda_calls"] == [] and era["cp_backward_needs_cuda"] is None
+
+
+def test_era_of_a_new_checkout(tmp_path):
+    era = detect_era(_fake_checkout(tmp_path, NEW))
+    assert era["tp_group_name"] == "tp_group" and era["cp"] and era["chunking"] and era["sampling"]
+    assert era["packed"] and era["pre_rolled"] and era["entropy"]
+    # pin_memory=True on one line, .cuda() on the next: both named, the first gates cp > 1
+    assert era["cuda_calls"] == [f"AllGatherCPTensor.backward:{PIN}", f"AllGatherCPTensor.backward:{CUDA}"]
+    assert era["cp_backward_needs_cuda"] == PIN
+
+
+def test_capabilities_follow_the_era(tmp_path, no_cuda):
+    old = nemo_rl.target(config=TargetConfig(str(_fake_checkout(tmp_path / "old", OLD))))
+    assert old.capabilities.layouts == {"bshd"}
+    assert "has no from_parallel_logits_to_logprobs_packed_sequences" in old.capabilities.skip_reason(
+        _scenario("thd-tp2cp1-many"))
+    assert "has no ChunkedDistributedEntropy" in old.capabilities.skip_reason(_scenario("bshd-tp2cp1-basic"))
+    assert old.capabilities.skip_reason(_scenario("bshd-tp2cp1-many")) is None
+    assert "no all-gather CP" in old.capabilities.skip_reason(_scenario("allgather-tp2cp2-many"))
+    per_sequence = nemo_rl.target("per_sequence", config=TargetConfig(str(tmp_path / "old")))
+    assert per_sequence.capabilities.skip_reason(_scenario("thd-tp2cp1-many")) is None
+    assert "takes no cp_group" in per_sequence.capabilities.skip_reason(_scenario("zigzag-tp2cp2-many"))
+    with pytest.raises(BadInput, match="no target_is_pre_rolled"):
+        nemo_rl.target("pre_rolled", config=TargetConfig(str(tmp_path / "old")))
+    with pytest.raises(BadInput, match="takes no sampling_params"):
+        nemo_rl.target("sampling", config=TargetConfig(str(tmp_path / "old")))
+
+
+def test_cp_needs_cuda_where_the_source_builds_its_index_on_cuda(tmp_path, monkeypatch, no_cuda):
+    src = str(_fake_checkout(tmp_path, NEW))
+    new = nemo_rl.target(config=TargetConfig(src))
+    assert new.capabilities.layouts == {"thd", "bshd", "zigzag"}
+    why = new.capabilities.skip_reason(_scenario("zigzag-tp2cp2-many"))
+    assert f"AllGatherCPTensor.backward (model_utils.py:{PIN})" in why and ".cuda()" in why
+    assert new.capabilities.skip_reason(_scenario("thd-tp2cp1-many")) is None
+    forced = nemo_rl.target(config=TargetConfig(src, (("cp_on_cpu", "true"),)))
+    assert forced.capabilities.skip_reason(_scenario("zigzag-tp2cp2-many")) is None
+    monkeypatch.setattr(nemo_rl, "_cuda_devices", lambda: 2)  # a CP world can be nccl there
+    assert nemo_rl.target(config=TargetConfig(src)).capabilities.skip_reason(_scenario("zigzag-tp2cp2-many")) is None
+    with pytest.raises(BadInput, match="cp_on_cpu='maybe'"):
+        nemo_rl.target(config=TargetConfig(src, (("cp_on_cpu", "maybe"),)))
+
+
+def test_sampling_shape_requirements_are_skips_with_the_reason(tmp_path):
+    from shardcheck.scenarios import Sample, Scenario
+
+    sc = Scenario("s", (Sample(23, 5), Sample(14, 5)), vocab=8, tp=2, top_k=4, top_p=0.9)
+    assert "B*S=37 local rows divisible by tp=2" in nemo_rl.sampling_shape_reason(sc)
+    sc = Scenario("s", (Sample(23, 5), Sample(15, 5)), vocab=8, tp=2, top_k=4, top_p=0.9)
+    assert nemo_rl.sampling_shape_reason(sc) is None and nemo_rl.scenario_sampling(sc) == (4, 0.9)
+    sc = Scenario("s", (Sample(23, 5), Sample(15, 5)), vocab=8, tp=2, top_k=4, log_probs_chunk_size=3)
+    assert "chunk_size*B=3" in nemo_rl.sampling_shape_reason(sc)
+    sc = Scenario("s", (Sample(23, 5), Sample(14, 5)), vocab=8, tp=2)  # nothing filtered: no requirement
+    assert nemo_rl.sampling_shape_reason(sc) is None and nemo_rl.scenario_sampling(sc) is None
+    assert nemo_rl.scenario_sampling(Scenario("s", (Sample(4, 2),), vocab=8, top_p=0.9)) == (None, 0.9)
+
+
+def test_the_import_runs_no_package_init_writes_nothing_and_is_undone(tmp_path, monkeypatch):
+    src = _fake_checkout(tmp_path, textwrap.dedent(OLD) + "import shardcheck_absent_module\n", {
+        "nemo_rl/__init__.py": "raise RuntimeError('nemo_rl/__init__.py must not run')\n",
+        "nemo_rl/distributed/__init__.py": "raise RuntimeError('must not run')\n",
+    })
+    monkeypatch.setattr(nemo_rl, "STUBBABLE", ("shardcheck_absent_module",))
+    before = (set(sys.modules), list(sys.meta_path), sys.dont_write_bytecode)
+    undo: list = []
+    module, sampling, stubs, shells = import_model_utils(src, undo)
+    try:
+        assert module.__file__ == str(src / "nemo_rl/distributed/model_utils.py")
+        assert stubs == ["shardcheck_absent_module"] and sampling is None
+        assert set(shells) == {"nemo_rl", "nemo_rl.distributed"}
+    finally:
+        while undo:
+            undo.pop()()
+    assert (set(sys.modules), list(sys.meta_path), sys.dont_write_bytecode) == before
+    assert not list(src.rglob("*.pyc")), "bytecode was written into the checkout"
+
+
+def test_a_missing_module_it_may_not_stub_is_one_line(tmp_path):
+    src = _fake_checkout(tmp_path, textwrap.dedent(OLD) + "import shardcheck_absent_module\n")
+    undo: list = []
+    try:
+        with pytest.raises(BadInput, match="cannot be imported: No module named 'shardcheck_absent_module'"):
+            import_model_utils(src, undo)
+    finally:
+        while undo:
+            undo.pop()()
+
+
+def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(BadInput, match="needs a NeMo-RL source checkout"):
+        source()
+    with pytest.raises(BadInput, match="is not a NeMo-RL checkout") as info:
+        source(str(tmp_path))
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv(ENV, str(tmp_path / "x"))
+    with pytest.raises(BadInput, match="is not a NeMo-RL checkout"):
+        source()
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_cli_without_a_checkout_is_one_line_exit_2(tmp_path, monkeypatch, where):
+    monkeypatch.delenv(ENV, raising=False)
+    path = tmp_path / "x" if where == "missing" else tmp_path
+    proc = run_cli("run", "--target", "nemo_rl", "--nemo-rl-src", str(path), cwd=str(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "is not a NeMo-RL checkout" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_variants_and_options_are_listed_and_checked(tmp_path, no_cuda):
+    from shardcheck.targets import resolve
+
+    # cwd: not the project's root, whose ignored shardcheck.egg-info may predate this entry point
+    listing = run_cli("targets", cwd=str(tmp_path))
+    assert listing.returncode == 0 and "nemo_rl:per_sequence" in listing.stdout, listing.stdout + listing.stderr
+    assert "nemo_rl:pre_rolled" in listing.stdout and "cp_on_cpu" in listing.stdout
+    src = str(_fake_checkout(tmp_path / "src", NEW))
+    with pytest.raises(BadInput, match="no variant 'nope'"):
+        nemo_rl.target("nope", TargetConfig(src))
+    with pytest.raises(BadInput, match="no option 'chunk'"):
+        resolve("shardcheck.targets.nemo_rl:target", TargetConfig(src, (("chunk", "4"),)))
+    described = nemo_rl.target("pre_rolled", TargetConfig(src)).describe()
+    assert "negative entropy" in described["entropy"] and described["name"] == "nemo_rl:pre_rolled"
+    assert described["version"].startswith("checkout ") and "logprobs_params" not in described["era"]
+
+
+# ---- against a real checkout ----------------------------------------------------------------
+
+def _run(tmp_path, target: str, *args: str) -> tuple:
+    """``shardcheck run --target TARGET ARGS`` with a JSON report, from a directory other than the
+    project's root (see above)."""
+    report = tmp_path / f"{target.replace(':', '-')}.json"
+    proc = run_cli("run", "--target", target, *args, "--json-report", str(report), cwd=str(tmp_path))
+    doc = json.loads(report.read_text()) if report.exists() else {}
+    return proc, {v["name"]: v for v in doc.get("scenarios", [])}, doc
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_nemo_rl_passes_every_smoke_scenario_it_runs(tmp_path):
+    """Point SHARDCHECK_NEMO_RL_SRC at a commit whose functions are right (NeMo-RL's newest was, at
+    7ea279abf): every scenario it runs passes; all-gather CP is skipped (not NeMo-RL's), and
+    zigzag too on a machine without two GPUs (AllGatherCPTensor.backward's .cuda())."""
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl", "--suite", "smoke")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert {v["verdict"] for v in verdicts.values()} == {"pass", "skip"}
+    assert verdicts["thd-tp2cp1-basic"]["verdict"] == "pass" and verdicts["bshd-tp4cp1-edges"]["verdict"] == "pass"
+    assert "no all-gather CP" in verdicts["allgather-tp2cp2-basic"]["reason"]
+    if nemo_rl._cuda_devices() < 2 and doc["target"]["era"]["cp_backward_needs_cuda"]:
+        assert "AllGatherCPTensor.backward" in verdicts["zigzag-tp2cp2-basic"]["reason"]
+    assert doc["target"]["stubbed_modules"] == []
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_each_calling_convention_passes(tmp_path):
+    names = ["thd-tp2cp1-edges", "thd-tp4cp1-many", "bshd-tp2cp1-basic", "thd-tp2cp1-bf16"]
+    for variant in ("per_sequence", "pre_rolled", "sampling"):
+        proc, verdicts, _ = _run(tmp_path, f"nemo_rl:{variant}", "--suite", "smoke",
+                                 *[a for n in names for a in ("--scenario", n)])
+        assert proc.returncode == 0, variant + proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert {v["verdict"] for v in verdicts.values()} == {"pass"}, variant
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_the_sampling_variant_meets_the_filtered_truth(tmp_path):
+    """nemo_rl:sampling filters the logits itself (top-k, then top-p): the sampling suite's truth,
+    keep sets filtered from the float64 logits, is met in thd and bshd at tp 1 and 2, chunked too;
+    the default variant skips them (it filters nothing)."""
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl:sampling", "--suite", "sampling")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert {n for n, v in verdicts.items() if v["verdict"] == "pass"} >= {
+        "sampling-thd-one-device", "sampling-thd-tp2-topk", "sampling-thd-tp2-topp", "sampling-bshd-tp2"}
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl", "--suite", "sampling", "--allow-all-skipped")
+    assert {v["verdict"] for v in verdicts.values()} == {"skip"}
+
+
+@needs_nemo_rl
+@pytest.mark.world
+@pytest.mark.skipif(nemo_rl._cuda_devices() >= 2, reason="a CUDA world runs cp > 1")
+def test_cp_on_a_cpu_world_fails_with_nemo_rls_error(tmp_path):
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl", "--target-opt", "cp_on_cpu=true", "--suite", "smoke",
+                             "--scenario", "zigzag-tp1cp2-many", "--nproc", "2")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    failure = verdicts["zigzag-tp1cp2-many"]["failures"][0]
+    assert failure["kind"] == "rank_error" and "model_utils.py" in failure["message"], failure
+
+
+@needs_nemo_rl
+def test_importing_the_real_checkout_writes_nothing_into_it():
+    src = source(NEMO_RL_SRC)
+    before = set(src.rglob("*.pyc"))
+    undo: list = []
+    try:
+        module, sampling, stubs, _ = import_model_utils(src, undo)
+        assert hasattr(module, "from_parallel_logits_to_logprobs") and stubs == []
+    finally:
+        while undo:
+            undo.pop()()
+    assert set(src.rglob("*.pyc")) == before
+    assert not [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]
+
+
+REPO_ENV = "SHARDCHECK_NEMO_RL_REPO"
+needs_history = pytest.mark.skipif(
+    not os.environ.get(REPO_ENV), reason=f"{REPO_ENV} is not set: no NeMo-RL git repository with its history "
+    "(a clone of NVIDIA-NeMo/RL) to check past commits against")
+FIX = "df31c1bf4"  # "chunked logprob calculation with deferred fp32 cast": DistributedLogprob casts to float32
+PARENT = "83c6bfc97"
+
+
+def _export(repo: str, rev: str, dest) -> str:
+    blob = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev, "nemo_rl"], capture_output=True,
+                          check=True).stdout
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=blob, check=True)
+    return str(dest)
+
+
+@needs_history
+@pytest.mark.world
+def test_the_half_precision_gradient_fixed_at_df31c1bf4(tmp_path):
+    """Before df31c1bf4, DistributedLogprob computed the log-softmax and the softmax it saves for
+    backward in the logits' own dtype: handed bfloat16 logits (as the packed get_logprobs path
+    passed its output uncast), its gradient is off by ~2.5%. df31c1bf4 casts to float32 inside."""
+    scenario = ["--suite", "regressions", "--scenario", "thd-tp2-bf16-wide"]
+    parent, verdicts, _ = _run(tmp_path, "nemo_rl", "--nemo-rl-src",
+                               _export(os.environ[REPO_ENV], PARENT, tmp_path / "parent"), *scenario)
+    assert parent.returncode == 1, parent.stdout[-2000:] + parent.stderr[-2000:]
+    assert verdicts["thd-tp2-bf16-wide"]["kinds"] == ["grad_mismatch"], verdicts
+    fixed, verdicts, _ = _run(tmp_path, "nemo_rl", "--nemo-rl-src", _export(os.environ[REPO_ENV], FIX, tmp_path / "fix"),
+                              *scenario)
+    assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
