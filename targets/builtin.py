@@ -134,6 +134,8 @@ class BuiltinTarget:
     # split differently, so no bound is promised there (README gives the measured figures).
     invariance = {axis: "bitwise" for axis in
                   ("rerun", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")}
+    # per local row, the replayed keep set it renormalises over (set by compute; None: none)
+    _row_keep: list | None = None
 
     def describe(self) -> dict[str, Any]:
         from shardcheck import __version__
@@ -197,7 +199,7 @@ class BuiltinTarget:
                   half: int | None = None) -> None:
         """Record the keep sets of ``count`` local rows from ``local0``, which predict the tokens
         after positions ``pos0 ...`` of ``sample`` (``half``: which zigzag half they are)."""
-        if self._row_keep is None:
+        if self._row_keep is None or inputs.keep_sets is None:  # also a layout walk outside compute
             return
         sets = inputs.keep_sets[sample] or []
         prompt = inputs.total_lengths[sample] - inputs.response_lengths[sample]

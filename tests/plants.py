@@ -236,7 +236,8 @@ class PolicyLoss(BuiltinTarget):
             ratio = (out.log_probs[i] - policy.old_log_probs[i]).exp()
             denom = self.denominator(mask, share_mask)
             total = total + (-policy.advantages[i] * ratio * share_mask).sum() / denom
-            total = total - inputs.entropy_coef * (out.entropy[i] * share_mask).sum() / denom
+            if out.entropy is not None:
+                total = total - inputs.entropy_coef * (out.entropy[i] * share_mask).sum() / denom
         return total
 
 

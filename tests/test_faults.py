@@ -15,7 +15,7 @@ from conftest import TESTS, alive, descendants
 from shardcheck.harness.controller import memory, runner
 from shardcheck.harness.controller.report import SilentReport
 from shardcheck.harness.controller.world import World
-from shardcheck.scenarios import Sample, Scenario
+from shardcheck.scenarios import Sample, Scenario, get_suite
 
 pytestmark = pytest.mark.world
 
@@ -32,7 +32,7 @@ def _one(world, spec, sc=TP2):
 def test_a_run_that_checked_nothing_is_not_green(cli_in_process):
     proc = cli_in_process("run", "--target", "megatron", "--suite", "regressions", "-q")
     assert proc.returncode == 5, (proc.returncode, proc.stderr)
-    assert "nothing was checked: all 6 scenarios were skipped" in proc.stderr
+    assert f"nothing was checked: all {len(get_suite('regressions'))} scenarios were skipped" in proc.stderr
     assert cli_in_process("run", "--target", "megatron", "--suite", "regressions", "-q",
                           "--allow-all-skipped").returncode == 0
 
