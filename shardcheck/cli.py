@@ -96,14 +96,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scenarios run while shrinking a failure, at most (default: 300)")
     f.add_argument("--out", default=None, metavar="FILE",
                    help="where the minimal failing scenario is written (default: .shardcheck/fuzz-failure.json)")
+    m = sub.add_parser("simulate", help="check layouts far beyond this machine for would-be hangs: every rank "
+                                        "in turn in one process, on torch's fake process group")
+    _world_options(m, simulated=True)
+    m.add_argument("--suite", default=None, help="simulate a named suite's scenarios (default: a search)")
+    m.add_argument("--scenario", action="append", default=[], metavar="NAME", help="only this scenario of the suite")
+    m.add_argument("--scenario-file", metavar="FILE", help="simulate the scenarios in this JSON file")
+    m.add_argument("--tp", type=_int_list, default=None, metavar="LIST",
+                   help="tensor-parallel sizes to search (default: 1,2,4,8)")
+    m.add_argument("--cp", type=_int_list, default=None, metavar="LIST",
+                   help="context-parallel sizes to search (default: 1,2,4,8,16,32)")
+    m.add_argument("--layout", type=_name_list, default=None, metavar="LIST",
+                   help="layouts to search (default: all the target supports)")
+    m.add_argument("--max-examples", type=int, default=100, metavar="N", help="layouts the search tries (default: 100)")
+    m.add_argument("--seed", type=int, default=None, metavar="S", help="the search's random seed (default: random)")
+    m.add_argument("--max-shrinks", type=int, default=300, metavar="N",
+                   help="layouts simulated while shrinking a failure, at most (default: 300)")
+    m.add_argument("--max-world", type=int, default=1024, metavar="N",
+                   help="the largest tp * cp simulated (default: 1024)")
+    m.add_argument("--out", default=None, metavar="FILE",
+                   help="where the minimal failing scenario is written (default: .shardcheck/simulate-failure.json)")
+    m.add_argument("--no-replay", action="store_true",
+                   help="do not replay the minimal failing scenario on a real world, even when it fits")
     sub.add_parser("suites", help="list the named suites")
     sub.add_parser("targets", help="list the registered targets")
     return p
 
 
-def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False) -> None:
+def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False, simulated: bool = False) -> None:
     """The options of every command that checks a target on a world it starts (run, invariance,
-    fuzz); ``timeout_only``: just --timeout (bisect, whose own options name the target)."""
+    fuzz); ``timeout_only``: just --timeout (bisect, whose own options name the target);
+    ``simulated``: no backend or world-size options (simulate's world is fake)."""
     from shardcheck.harness.controller.limits import MAX_TIMEOUT_S, timeout_seconds
 
     if not timeout_only:
@@ -114,12 +137,24 @@ def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False) ->
                         f"at most {MAX_TIMEOUT_S:.0f}: a week)")
     if timeout_only:
         return
+    if simulated:
+        _target_options(p)
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+        return
     p.add_argument("--allow-large-world", action="store_true",
                    help="start the world even past this machine's bounds: more ranks than 8 a core or than "
                         "its memory holds, or a scenario whose estimated memory does not fit")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="torch.distributed backend: nccl (one GPU per rank), gloo (CPU), or auto: nccl when "
                         "every rank gets a GPU, else gloo (default: auto)")
+    _target_options(p)
+    p.add_argument("--no-lockstep", action="store_true",
+                   help="trace collectives without the lockstep check; a hang then lasts until --timeout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+
+def _target_options(p: argparse.ArgumentParser) -> None:
+    """Where the target's code is and how it is configured."""
     p.add_argument("--slime-src", metavar="DIR",
                    help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
     p.add_argument("--verl-src", metavar="DIR",
@@ -130,9 +165,6 @@ def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False) ->
                    help="a source checkout for the target, whichever it is (its factory's config.src)")
     p.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="an option for the target (repeatable; `shardcheck targets` lists each target's)")
-    p.add_argument("--no-lockstep", action="store_true",
-                   help="trace collectives without the lockstep check; a hang then lasts until --timeout")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
 
 
 def _scenario_options(p: argparse.ArgumentParser) -> None:
@@ -218,6 +250,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return _invariance(args)
         if args.command == "bisect":
             return _bisect(args)
+        if args.command == "simulate":
+            return _simulate(args)
         if args.command == "suites":
             return _suites()
         if args.command == "targets":
@@ -379,6 +413,19 @@ def _fuzz(args: argparse.Namespace) -> int:
         replay = replay_command(args.target, out, _target_args(args))
     print(summary(result, written, replay, minimal), flush=True)
     return result.exit_code
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from shardcheck.harness.controller import simulate
+
+    from shardcheck.harness.controller.limits import check_timeout
+
+    check_timeout(args.timeout)  # the world is fake: no machine bounds, only --max-world
+    if args.max_world < 1:
+        raise BadInput(f"--max-world must be >= 1, got {args.max_world}")
+    _use_target_config(args)
+    scenarios = _select(args) if (args.suite or args.scenario_file) else None
+    return simulate.main(args, scenarios, _target_args(args))
 
 
 def _bisect(args: argparse.Namespace) -> int:

@@ -149,7 +149,7 @@ class _Search:
 
 
 def plan_world(tp: Sequence[int], cp: Sequence[int], layouts: Sequence[str],
-               nproc: int | None) -> tuple[int, list[tuple[int, int]]]:
+               nproc: int | None, max_ranks: int = MAX_RANKS) -> tuple[int, list[tuple[int, int]]]:
     """The world size and the (tp, cp) pairs a search draws from: every pair whose tp * cp
     divides the world, so data-parallel replicas fill it (as a suite run does)."""
     for name, values in (("tp", tp), ("cp", cp)):
@@ -167,8 +167,8 @@ def plan_world(tp: Sequence[int], cp: Sequence[int], layouts: Sequence[str],
         if not small:
             raise BadInput(f"every tp * cp asked for exceeds {AUTO_MAX_RANKS} ranks: give --nproc")
         nproc = math.lcm(*small)
-    if not 1 <= nproc <= MAX_RANKS:
-        raise BadInput(f"--nproc must be between 1 and {MAX_RANKS}, got {nproc}")
+    if not 1 <= nproc <= max_ranks:
+        raise BadInput(f"--nproc must be between 1 and {max_ranks}, got {nproc}")
     fitting = [(t, c) for t, c in pairs if nproc % (t * c) == 0]
     if not fitting:
         raise BadInput(f"no tp * cp among {sorted({t * c for t, c in pairs})} divides a world of {nproc} ranks")
@@ -216,6 +216,7 @@ def fuzz(
     world: World | None = None,
     progress: Callable[[Event], None] | None = None,
     on_start: Callable[[FuzzResult], None] | None = None,
+    max_ranks: int = MAX_RANKS,
 ) -> FuzzResult:
     """Search for a scenario the target fails; shrink the first one found to a minimal one.
 
@@ -253,7 +254,7 @@ def fuzz(
     if not tp or not cp:
         raise BadInput(f"target {target_spec!r} runs at none of the {'tp' if not tp else 'cp'} sizes asked for "
                        f"(it supports {sorted(caps.tp_sizes if not tp else caps.cp_sizes)})")
-    size, pairs = plan_world(tp, cp, usable, world.nproc if world is not None else nproc)
+    size, pairs = plan_world(tp, cp, usable, world.nproc if world is not None else nproc, max_ranks)
     if world is None:
         backend, _ = choose_backend(backend, size)  # nccl that cannot be had: BadInput before the search
     seed = random.randrange(2**32) if seed is None else seed

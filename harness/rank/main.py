@@ -111,10 +111,10 @@ TRACE_CAP = 2000  # calls per rank and scenario sent back when the whole trace i
 TRACE_TAIL = 12  # calls per rank sent back with a failure
 
 
-def _trace_payload(calls: Any, everything: bool, failed: bool) -> list[dict[str, Any]]:
+def _trace_payload(calls: Any, everything: bool, failed: bool, cap: int | None = TRACE_CAP) -> list[dict[str, Any]]:
     if calls is None or not (everything or failed):
         return []
-    chosen = calls.calls[:TRACE_CAP] if everything else calls.calls[-TRACE_TAIL:]
+    chosen = calls.calls[:cap] if everything else calls.calls[-TRACE_TAIL:]
     return [c.to_dict() for c in chosen]
 
 
@@ -168,6 +168,8 @@ def _alive(pid: int) -> bool:
 
 class RankRunner:
     """Runs one scenario at a time on this rank and returns its result as plain data."""
+
+    trace_cap: int | None = TRACE_CAP  # calls sent back when the whole trace is asked for (None: all)
 
     def __init__(self, rank: int, lockstep: Any, device: Any = None) -> None:
         self.rank = rank
@@ -273,7 +275,7 @@ class RankRunner:
             self.rank, seq, failures, errors, time.perf_counter() - t0, described, notes, desync,
             calls=len(calls.calls) if calls is not None else 0,
             # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
-            trace=_trace_payload(calls, checks.trace_calls, bool(failures or notes)),
+            trace=_trace_payload(calls, checks.trace_calls, bool(failures or notes), self.trace_cap),
             # the target's outputs as raw data (only when asked for, and only when it ran through)
             outputs=produced,
         )

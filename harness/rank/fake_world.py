@@ -1,0 +1,97 @@
+"""Every rank of a world far larger than the machine, in turn, in one process.
+
+Each rank joins torch's fake process group (the ``fake`` backend over a ``FakeStore``: every
+collective returns at once, moving no data) as that rank of a world of ``tp * cp``; megatron-core
+builds its groups for that world (``groups.configure``: ``initialize_model_parallel``); the rank
+runs the scenario exactly as a real rank does (``RankRunner``: its shard, the target, the
+backward), its collectives recorded by the same interception point (``trace``). Once every rank
+has run, :mod:`symmetry` compares the traces of each group, as the lockstep would have while
+they ran: the first divergence is a ``collective_mismatch`` in the lockstep's words.
+
+What this cannot check: values (a fake collective leaves its output as it was, so every value
+after the first collective is meaningless; the reference is never consulted), and control flow
+that depends on a value a collective brought (such a branch is taken on garbage here).
+
+The process runs this loop (:func:`serve`) as a child of the controller, so a target that never
+returns is ended at the controller's deadline, as a real rank is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from shardcheck.harness import wire
+from shardcheck.harness.wire import COLLECTIVE_MISMATCH, RANK_ERROR, Checks, Failure, RankResult
+
+FAKE = "fake"
+
+
+def run_scenario(runner: Any, scenario: dict[str, Any], target: str, seq: int, checks: Checks) -> list[RankResult]:
+    """The scenario on each of its ``tp * cp`` ranks in turn; one result per rank, the first
+    divergence (if any) attached to the result of the lowest rank it involves."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardcheck.harness.rank import groups, symmetry, trace
+
+    world = int(scenario["tp"]) * int(scenario.get("cp", 1))
+    traced = dataclasses.replace(checks, trace_calls=True, reference=False)
+    results: list[RankResult] = []
+    traces, labels = {}, {}
+    for rank in range(world):
+        dist.init_process_group(FAKE, store=FakeStore(), rank=rank, world_size=world)
+        try:
+            runner.rank = rank
+            result = runner.run(scenario, target, seq, traced)
+            traces[rank] = symmetry.calls_from(result.trace)
+            labels[rank] = {name: groups.label(name) for name in {c.group for c in traces[rank]}}
+        finally:
+            groups.reset()
+            trace.reset()
+            dist.destroy_process_group()
+        if not checks.trace_calls:
+            result.trace = []
+        results.append(result)
+    # a rank that raised stops a real world there too (its peers wait for it): that is the finding
+    if not any(f.kind == RANK_ERROR for r in results for f in r.failures):
+        d = symmetry.first_divergence(traces, labels)
+        if d is not None:
+            details = {"at": time.time(), "group": d.group, "group_ranks": d.group_ranks, "label": d.label,
+                       "call": d.call, "sides": d.sides, "last_matched": d.last_matched, "simulated": True}
+            results[d.ranks[0]].failures.append(Failure(COLLECTIVE_MISMATCH, d.message, d.ranks, phase=d.phase,
+                                                        details=details))
+    return results
+
+
+def serve(conn: Any) -> None:
+    """The child's loop: ``run`` messages in, a list of results out, until ``stop`` or EOF."""
+    import os
+
+    from shardcheck.harness.rank import trace
+    from shardcheck.harness.rank.main import RankRunner
+
+    trace.install()
+    import torch
+
+    runner = RankRunner(0, None, torch.device("cpu"))
+    runner.trace_cap = None
+    try:
+        while True:
+            try:
+                name, kwargs = conn.recv()
+            except (EOFError, OSError):
+                break
+            if name == wire.STOP:
+                break
+            wire.apply_settings(kwargs.get("settings", {}))
+            checks = Checks.from_wire(kwargs["checks"])
+            try:
+                results = run_scenario(runner, kwargs["scenario"], kwargs["target"], kwargs["seq"], checks)
+                conn.send(("results", [r.to_wire() for r in results]))
+            except BaseException as exc:  # noqa: BLE001  (the fake world itself failed: say so)
+                conn.send(("fatal", wire.error_payload(exc)))
+    finally:
+        runner.close()
+        os._exit(0)  # no atexit handlers of torch or megatron in a child that only simulated

@@ -1,0 +1,102 @@
+"""``shardcheck simulate``: the trace comparison (pure), every hang mutant caught on the fake
+world, builtin clean, the command's search with its replay on a real world, and bad input."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.fake import FakeWorld
+from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.rank.symmetry import first_divergence
+from shardcheck.harness.rank.trace import Call
+from shardcheck.scenarios import Sample, Scenario, get_suite
+from shardcheck.targets.mutants import MUTANTS
+
+HANGS = sorted(name for name, cls in MUTANTS.items() if cls.expected[0] == "collective_mismatch")
+
+
+def _call(group, ranks, number, shapes=((4,),), phase="forward", op="all_reduce"):
+    return Call(op=op, group=group, ranks=list(ranks), number=number, shapes=[list(s) for s in shapes],
+                dtype="float32", reduce_op="SUM", root=None, phase=phase, site="t.py:1", stack=["t.py:1"])
+
+
+def test_the_first_divergence_is_named_in_the_lockstep_words():
+    same = {0: [_call("1", [0, 1], 0)], 1: [_call("1", [0, 1], 0)]}
+    assert first_divergence(same, {}) is None
+    shorter = {0: [_call("1", [0, 1], 0), _call("1", [0, 1], 1)], 1: [_call("1", [0, 1], 0)]}
+    d = first_divergence(shorter, {0: {"1": "cp"}, 1: {"1": "cp"}})
+    assert d.message.startswith("cp group [0, 1] call 1: rank 0 all_reduce(SUM, float32[4]) in forward at t.py:1; "
+                                "rank 1 finished the scenario after 1 calls in this group")
+    assert (d.call, d.ranks, d.phase) == (1, [0, 1], "forward") and len(d.last_matched) == 1
+    shapes = {0: [_call("2", [0, 1], 0, ((3,),))], 1: [_call("2", [0, 1], 0, ((5,),))]}
+    assert first_divergence(shapes, {}).message.endswith("(they differ in shapes)")
+
+
+def test_of_two_divergent_groups_the_one_a_rank_meets_first_is_reported():
+    traces = {0: [_call("tp", [0, 1], 0), _call("cp", [0, 2], 0, ((9,),))],
+              1: [_call("tp", [0, 1], 0, ((7,),))],
+              2: [_call("cp", [0, 2], 0, ((1,),))]}
+    d = first_divergence(traces, {})
+    assert d.group_ranks == [0, 1] and "(they differ in shapes)" in d.message
+
+
+@pytest.fixture(scope="module")
+def fake():
+    with FakeWorld([1, 2, 4, 8], timeout=60) as w:
+        yield w
+
+
+@pytest.mark.parametrize("name", HANGS)
+def test_every_hang_mutant_is_caught_by_simulation(fake, name):
+    kind, phase = MUTANTS[name].expected
+    scenarios = get_suite(MUTANTS[name].suite)
+    verdicts = runner.run(scenarios, f"builtin:{name}", reporter=SilentReport(), world=fake).verdicts
+    found = [f for v in verdicts for f in v.failures if f.kind == kind and (phase is None or f.phase == phase)]
+    assert found, [v.headline() for v in verdicts if v.status != "pass"]
+    assert found[0].details.get("simulated") and " call " in found[0].message
+
+
+def test_builtin_is_clean_in_simulation_on_wide_layouts(fake):
+    """Layouts a real world here cannot hold: tp 2 x cp 4 (8 ranks), long prompts leaving high CP
+    ranks with no response token, empty all-gather slices."""
+    scenarios = [Scenario(f"{lay}-8", (Sample(61, 3), Sample(40, 2), Sample(9, 8)), vocab=32, tp=2, cp=4, layout=lay,
+                          entropy_coef=0.1, log_probs_chunk_size=5) for lay in ("zigzag", "allgather")]
+    verdicts = runner.run(scenarios, "builtin", reporter=SilentReport(), world=fake).verdicts
+    assert [v.status for v in verdicts] == ["pass", "pass"], [v.headline() for v in verdicts]
+    bad = runner.run(scenarios, "builtin:skip_empty_rank", reporter=SilentReport(), world=fake).verdicts
+    assert any("collective_mismatch" in v.kinds for v in bad)
+
+
+@pytest.mark.world
+def test_the_search_finds_shrinks_and_replays_on_a_real_world(tmp_path):
+    out = tmp_path / "min.json"
+    proc = run_cli("simulate", "--target", "builtin:skip_empty_rank", "--tp", "1,2,4", "--cp", "2,4,8,16",
+                   "--seed", "1", "--max-examples", "40", "--out", str(out), "-q", cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "collective_mismatch" in proc.stdout and " call 0: rank " in proc.stdout
+    assert "values are not checked" in proc.stdout
+    assert "replayed on a real world of" in proc.stdout and "the same kind as simulated" in proc.stdout, proc.stdout
+    assert json.loads(out.read_text())["layout"] == "allgather"
+    clean = run_cli("simulate", "--target", "builtin", "--tp", "1,2", "--cp", "2,8", "--seed", "1",
+                    "--max-examples", "15", "-q", cwd=str(tmp_path), timeout=300)
+    assert clean.returncode == 0 and "no failure found" in clean.stdout, clean.stdout + clean.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--tp", "8", "--cp", "256"], "tp * cp = 2048 exceeds --max-world 1024"),
+    (["--tp", "4", "--cp", "4", "--max-world", "8"], "tp * cp = 16 exceeds --max-world 8"),
+    (["--target", "nope"], "unknown target 'nope'"),
+    (["--max-world", "0"], "--max-world must be >= 1"),
+])
+def test_bad_input_is_one_line_exit_2(cli_in_process, args, fragment):
+    proc = cli_in_process("simulate", *args)
+    assert proc.returncode == 2 and fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_scenario_file_with_a_vocab_tp_does_not_divide_is_one_line(cli_in_process, tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"name": "x", "samples": [[9, 4]], "vocab": 33, "tp": 2}))
+    proc = cli_in_process("simulate", "--scenario-file", str(path))
+    assert proc.returncode == 2 and "vocab 33 is not divisible by tp 2" in proc.stderr
