@@ -23,83 +23,104 @@ BACKEND = "fake"
 NOTE = "simulated: collectives checked for symmetry on torch's fake process group; values are not checked"
 
 
+PARALLEL_FROM = 32  # ranks: below this a layout runs in one process (splitting costs more than it saves)
+
+
 class FakeWorld:
     """Simulated worlds of any ``tp * cp`` dividing ``nproc`` (each scenario runs on exactly its
-    ``tp * cp`` ranks), in one child process started once and reused."""
+    ``tp * cp`` ranks), in child processes started once and reused: one per usable core (at
+    most ``workers``), a large layout's ranks split between them."""
 
     lockstep = True  # the trace comparison stands in for it
     backend = BACKEND
 
-    def __init__(self, sizes: Sequence[int], timeout: float = 60.0) -> None:
+    def __init__(self, sizes: Sequence[int], timeout: float = 60.0, workers: int | None = None) -> None:
+        from shardcheck.harness.controller.limits import usable_cores
+
         self.nproc = math.lcm(*sizes) if sizes else 1
         self.timeout = timeout
+        self.workers = max(1, workers if workers is not None else usable_cores())
         self.startup_seconds: list[float] = []
         self.events: list[str] = []
         self.progress: Callable[[int], None] | None = None
-        self._proc: Any = None
-        self._conn: Any = None
+        self._children: list[tuple[Any, Any]] = []  # (process, connection)
         self._seq = 0
 
     @property
     def started(self) -> bool:
-        return self._proc is not None
+        return bool(self._children)
 
     def start(self) -> None:
         t0 = time.perf_counter()
         ctx = _context()
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, args=(child,), daemon=True, name="shardcheck-fake-world")
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        for i in range(self.workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_child, args=(child,), daemon=True, name=f"shardcheck-fake-world-{i}")
+            proc.start()
+            child.close()
+            self._children.append((proc, parent))
         self.startup_seconds.append(time.perf_counter() - t0)
 
     def ensure_ready(self) -> None:
-        if self._proc is not None and not self._proc.is_alive():
-            self.events.append(f"the simulation process died between scenarios (exit code {self._proc.exitcode}); "
-                               "it restarted")
+        dead = [p for p, _ in self._children if not p.is_alive()]
+        if dead:
+            self.events.append(f"a simulation process died between scenarios (exit code {dead[0].exitcode}); "
+                               "they restarted")
             self.close()
-        if self._proc is None:
+        if not self._children:
             self.start()
 
     def run(self, scenario: dict[str, Any], target: str, checks: Checks = Checks()) -> list[RankResult]:
+        from shardcheck.harness.rank.fake_world import judge
+
         self.ensure_ready()
         self._seq += 1
         world = int(scenario["tp"]) * int(scenario.get("cp", 1))
+        used = self._children[:min(len(self._children), max(1, world // PARALLEL_FROM) if world >= PARALLEL_FROM else 1)]
+        share = -(-world // len(used))
+        deadline = time.perf_counter() + self.timeout
+        results, labels = [], {}
         try:
-            self._conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=self._seq,
-                                         checks=checks.to_wire(), settings=wire.target_settings()))
-            if self._conn.poll(self.timeout):
-                kind, payload = self._conn.recv()
-                if kind == "results":
-                    return [RankResult.from_wire(r) for r in payload]
-                return self._everyone(world, f"the simulation failed: {payload.get('type')}: {payload.get('message')}")
+            for i, (_, conn) in enumerate(used):
+                conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=self._seq,
+                                       checks=checks.to_wire(), settings=wire.target_settings(),
+                                       ranks=list(range(i * share, min(world, (i + 1) * share)))))
+            for _, conn in used:
+                if not conn.poll(max(0.0, deadline - time.perf_counter())):
+                    self.close()  # it never answered: end it, as a hung rank is ended
+                    return self._everyone(world, f"the simulated ranks gave no result within {self.timeout:g}s "
+                                                 "(a target that never returns)")
+                kind, payload = conn.recv()
+                if kind != "results":
+                    self.close()
+                    return self._everyone(world, f"the simulation failed: {payload.get('type')}: "
+                                                 f"{payload.get('message')}")
+                for result, rank_labels in payload:
+                    results.append(RankResult.from_wire(result))
+                    labels[results[-1].rank] = rank_labels
         except (EOFError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
+            codes = [p.exitcode for p, _ in self._children]
             self.close()
-            return self._everyone(world, f"the simulation process died (exit code {code})")
-        self.close()  # it never answered: end it, as a hung rank is ended
-        return self._everyone(world, f"the simulated ranks gave no result within {self.timeout:g}s "
-                                     "(a target that never returns)")
+            return self._everyone(world, f"a simulation process died (exit codes {codes})")
+        return judge(results, labels, checks.trace_calls)
 
     def _everyone(self, world: int, message: str) -> list[RankResult]:
         failure = Failure(RANK_ERROR, message, list(range(world)))
         return [RankResult(r, self._seq, [failure] if r == 0 else [], {}, 0.0, {}, [], False) for r in range(world)]
 
     def close(self) -> None:
-        if self._conn is not None:
+        for _, conn in self._children:
             try:
-                self._conn.send(wire.message(wire.STOP))
+                conn.send(wire.message(wire.STOP))
             except (OSError, ValueError):
                 pass
-        if self._proc is not None:
-            self._proc.join(timeout=2.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(timeout=5.0)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
+        for proc, conn in self._children:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+            conn.close()
+        self._children = []
 
     def rank_output(self) -> list:
         return []

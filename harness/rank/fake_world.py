@@ -5,8 +5,9 @@ collective returns at once, moving no data) as that rank of a world of ``tp * cp
 builds its groups for that world (``groups.configure``: ``initialize_model_parallel``); the rank
 runs the scenario exactly as a real rank does (``RankRunner``: its shard, the target, the
 backward), its collectives recorded by the same interception point (``trace``). Once every rank
-has run, :mod:`symmetry` compares the traces of each group, as the lockstep would have while
-they ran: the first divergence is a ``collective_mismatch`` in the lockstep's words.
+has run (in one process, or split over a few), :func:`judge` compares the traces of each group
+(:mod:`symmetry`), as the lockstep would have while they ran: the first divergence is a
+``collective_mismatch`` in the lockstep's words.
 
 What this cannot check: values (a fake collective leaves its output as it was, so every value
 after the first collective is meaningless; the reference is never consulted), and control flow
@@ -28,45 +29,55 @@ from shardcheck.harness.wire import COLLECTIVE_MISMATCH, RANK_ERROR, Checks, Fai
 FAKE = "fake"
 
 
-def run_scenario(runner: Any, scenario: dict[str, Any], target: str, seq: int, checks: Checks) -> list[RankResult]:
-    """The scenario on each of its ``tp * cp`` ranks in turn; one result per rank, the first
-    divergence (if any) attached to the result of the lowest rank it involves."""
+def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, checks: Checks,
+              ranks: list[int]) -> list[tuple[RankResult, dict[str, str]]]:
+    """The scenario on each of ``ranks`` of its ``tp * cp`` world in turn: per rank, its result
+    (with its whole trace) and what each group it called in is for ("tp", "cp", ...)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardcheck.harness.rank import groups, symmetry, trace
+    from shardcheck.harness.rank import groups, trace
 
     world = int(scenario["tp"]) * int(scenario.get("cp", 1))
     traced = dataclasses.replace(checks, trace_calls=True, reference=False)
-    results: list[RankResult] = []
-    traces, labels = {}, {}
-    for rank in range(world):
+    out = []
+    for rank in ranks:
         dist.init_process_group(FAKE, store=FakeStore(), rank=rank, world_size=world)
         try:
             runner.rank = rank
             result = runner.run(scenario, target, seq, traced)
-            traces[rank] = symmetry.calls_from(result.trace)
-            labels[rank] = {name: groups.label(name) for name in {c.group for c in traces[rank]}}
+            labels = {name: groups.label(name) for name in {c["group"] for c in result.trace}}
         finally:
             groups.reset()
             trace.reset()
             dist.destroy_process_group()
-        if not checks.trace_calls:
-            result.trace = []
-        results.append(result)
+        out.append((result, labels))
+    return out
+
+
+def judge(results: list[RankResult], labels: dict[int, dict[str, str]], keep_traces: bool) -> list[RankResult]:
+    """Every rank's result in, the first divergence (if any) attached to the result of the lowest
+    rank it involves; the traces dropped unless asked for."""
+    from shardcheck.harness.rank import symmetry
+
+    traces = {r.rank: symmetry.calls_from(r.trace) for r in results}
     # a rank that raised stops a real world there too (its peers wait for it): that is the finding
     if not any(f.kind == RANK_ERROR for r in results for f in r.failures):
         d = symmetry.first_divergence(traces, labels)
         if d is not None:
             details = {"at": time.time(), "group": d.group, "group_ranks": d.group_ranks, "label": d.label,
                        "call": d.call, "sides": d.sides, "last_matched": d.last_matched, "simulated": True}
-            results[d.ranks[0]].failures.append(Failure(COLLECTIVE_MISMATCH, d.message, d.ranks, phase=d.phase,
-                                                        details=details))
+            first = next(r for r in results if r.rank == d.ranks[0])
+            first.failures.append(Failure(COLLECTIVE_MISMATCH, d.message, d.ranks, phase=d.phase, details=details))
+    if not keep_traces:
+        for r in results:
+            r.trace = []
     return results
 
 
 def serve(conn: Any) -> None:
-    """The child's loop: ``run`` messages in, a list of results out, until ``stop`` or EOF."""
+    """The child's loop: ``run`` messages (with the ranks to run) in, their results and group
+labels out, until ``stop`` or EOF."""
     import os
 
     from shardcheck.harness.rank import trace
@@ -88,8 +99,8 @@ def serve(conn: Any) -> None:
             wire.apply_settings(kwargs.get("settings", {}))
             checks = Checks.from_wire(kwargs["checks"])
             try:
-                results = run_scenario(runner, kwargs["scenario"], kwargs["target"], kwargs["seq"], checks)
-                conn.send(("results", [r.to_wire() for r in results]))
+                done = run_ranks(runner, kwargs["scenario"], kwargs["target"], kwargs["seq"], checks, kwargs["ranks"])
+                conn.send(("results", [(r.to_wire(), labels) for r, labels in done]))
             except BaseException as exc:  # noqa: BLE001  (the fake world itself failed: say so)
                 conn.send(("fatal", wire.error_payload(exc)))
     finally:

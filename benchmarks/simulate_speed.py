@@ -1,0 +1,72 @@
+"""``shardcheck simulate``'s speed, with a real world's beside it, in one run.
+
+Prints: the same world-4 layout (tp 2 x cp 2, zigzag) run on a real gloo world and simulated
+(seconds a layout, median of ``--repeat``); simulated layouts a minute at world 8 (tp 2 x cp 4,
+``--layouts`` distinct layouts, zigzag and all-gather); the time of one world-512 layout (tp 8 x
+cp 64) and of one world-64 layout (3 samples of 129 to 700 tokens, chunk 64). World start-up is not counted anywhere (it is paid once).
+Goals (issue 15): >= 1000 layouts a minute at world 8, <= 10 s for one world-512 layout.
+
+    python benchmarks/simulate_speed.py [--repeat 5] [--layouts 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.fake import FakeWorld
+from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.world import World
+from shardcheck.scenarios import Sample, Scenario
+
+
+def _layout(tp: int, cp: int, layout: str = "zigzag", seed: int = 0, extra: int = 0) -> Scenario:
+    return Scenario(f"bench-{tp}x{cp}-{layout}-{seed}", (Sample(700 + extra, 300), Sample(260, 5), Sample(129, 128)),
+                    vocab=64, tp=tp, cp=cp, layout=layout, entropy_coef=0.1, log_probs_chunk_size=64, seed=seed)
+
+
+def _time(world, scenarios) -> list[float]:
+    out = []
+    for sc in scenarios:
+        t0 = time.perf_counter()
+        [v] = runner.run([sc], "builtin", reporter=SilentReport(), world=world).verdicts
+        out.append(time.perf_counter() - t0)
+        assert v.status == "pass", v.headline()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--layouts", type=int, default=200)
+    args = parser.parse_args()
+
+    four = [_layout(2, 2, seed=i) for i in range(args.repeat)]
+    with World(4) as real:  # started on entering
+        real_4 = statistics.median(_time(real, four))
+    with FakeWorld([4, 8, 64, 512]) as fake:
+        fake.start()
+        _time(fake, [_layout(4, 16, seed=99)])  # every simulation process imports what it runs once: not counted
+        fake_4 = statistics.median(_time(fake, four))
+        # small layouts, as a search draws them: long prompts,
+        # empty shares and slices
+        eight = [Scenario(f"small-{i}", (Sample(61 - i % 9, 3), Sample(40, 2 + i % 5), Sample(30, 20)), vocab=32,
+                          tp=2, cp=4, layout=("zigzag", "allgather")[i % 2], entropy_coef=0.1,
+                          log_probs_chunk_size=(-1, 5)[i % 2], seed=i) for i in range(args.layouts)]
+        t0 = time.perf_counter()
+        _time(fake, eight)
+        per_minute = 60 * len(eight) / (time.perf_counter() - t0)
+        [w64] = _time(fake, [_layout(4, 16)])
+        [w512] = _time(fake, [_layout(8, 64)])
+    print(f"world 4 (tp 2 x cp 2, zigzag): real gloo world {real_4:.3f} s a layout, simulated {fake_4:.3f} s "
+          f"({real_4 / fake_4:.1f}x)")
+    print(f"world 8 (tp 2 x cp 4): {per_minute:.0f} simulated layouts a minute (goal >= 1000; small layouts: "
+          "3 samples of 30 to 61 tokens)")
+    print(f"world 64 (tp 4 x cp 16): {w64:.2f} s; world 512 (tp 8 x cp 64): {w512:.2f} s (goal <= 10 s) "
+          f"with {fake.workers} simulation processes")
+
+
+if __name__ == "__main__":
+    main()
