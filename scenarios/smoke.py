@@ -88,3 +88,18 @@ def logprob() -> list[Scenario]:
 def smoke() -> list[Scenario]:
     """every layout at every (tp, cp) it allows on 4 ranks, with the edge shapes"""
     return _grid() + _extras()
+
+
+@suite
+def large() -> list[Scenario]:
+    """tp * cp = 8 (8x1, 1x8, 2x4, 4x2) on an 8-rank world, long prompts leaving CP ranks empty"""
+    out = []
+    for tp, cp, layouts in ((8, 1, ("thd", "bshd")), (1, 8, ("zigzag", "allgather")), (2, 4, ("zigzag", "allgather")),
+                            (4, 2, ("zigzag", "allgather"))):
+        for layout in layouts:
+            out.append(Scenario(f"{layout}-tp{tp}cp{cp}-large", _samples((97, 5), (64, 33), (33, 17)), vocab=64, tp=tp,
+                                cp=cp, layout=layout, entropy_coef=0.1, log_probs_chunk_size=7, temperature=0.9,
+                                seed=300 + len(out),
+                                description="a long prompt with a short response (empty CP shares), a response "
+                                "starting mid-sample, chunk 7"))
+    return out

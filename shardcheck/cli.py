@@ -323,10 +323,23 @@ def _run(args: argparse.Namespace) -> int:
     _use_target_config(args)
     scenarios = _select(args)
     _check_world_options(args, scenarios)
+    from shardcheck.harness.controller.joined import JoinedWorld, launched_by_torchrun
+    from shardcheck.harness.controller.report import SilentReport
+
+    world = None
+    if launched_by_torchrun():  # every rank runs this command: they join the launcher's world
+        world = JoinedWorld(timeout=args.timeout, lockstep=not args.no_lockstep, backend=args.backend)
+        if int(os.environ["RANK"]) != 0:  # one report: rank 0's (every rank reaches the same verdicts)
+            args.json_report = None
     json_report = _json_report(args, JsonReport)
-    result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet), json_report),
-                        nproc=args.nproc, timeout=args.timeout, lockstep=not args.no_lockstep,
-                        trace=args.trace, backend=args.backend, inplace=not args.no_inplace)
+    terminal = SilentReport() if world is not None and world.rank != 0 else TerminalReport(quiet=args.quiet)
+    try:
+        result = runner.run(scenarios, args.target, reporter=Reporters(terminal, json_report), nproc=args.nproc,
+                            timeout=args.timeout, lockstep=not args.no_lockstep, trace=args.trace,
+                            backend=args.backend, inplace=not args.no_inplace, world=world)
+    finally:
+        if world is not None:
+            world.close()
     if result.verdicts and all(v.status == "skip" for v in result.verdicts) and not args.allow_all_skipped:
         print(f"shardcheck: nothing was checked: all {len(result.verdicts)} scenarios were skipped "
               "(--allow-all-skipped to exit 0)", file=sys.stderr)

@@ -50,6 +50,9 @@ class JoinedWorld:
         self._owns_group = False
         self._out_of_step: str | None = None
         self._seq = 0
+        # per global rank: where it runs ("node 1 local rank 0 on host"), from the launcher's
+        # GROUP_RANK and LOCAL_RANK: a report across machines names the process to look at
+        self.placement: dict[int, str] = {}
 
     def __enter__(self) -> JoinedWorld:
         self.start()
@@ -91,6 +94,13 @@ class JoinedWorld:
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
             port = [self._store.port]
         dist.broadcast_object_list(port, src=0, group=self._exchange)
+        import socket
+
+        here = (f"node {os.environ.get('GROUP_RANK', '0')} local rank {os.environ.get('LOCAL_RANK', '0')} "
+                f"on {socket.gethostname()}")
+        everyone: list[Any] = [None] * self.nproc
+        dist.all_gather_object(everyone, here, group=self._exchange)
+        self.placement = dict(enumerate(everyone))
         options = {"collective_timeout": self.timeout, "lockstep": self.lockstep}
         self._runner = prepare(self.rank, self.nproc, host, port[0], options, device)
         dist.barrier(group=self._exchange)

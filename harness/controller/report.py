@@ -313,6 +313,8 @@ def render_failure(v: Verdict) -> str:
         lines.append(f"  {f.kind}{phase} [ranks {rank_list(f.ranks)}]: {f.message}")
         for call in f.details.get("last_matched", []):
             lines.append(f"      last matched before it: {call}")
+        if f.details.get("placement"):
+            lines.append("      where: " + "; ".join(f"rank {r} {w}" for r, w in f.details["placement"].items()))
     if len(v.failures) > MAX_FAILURES_SHOWN:
         lines.append(f"  ... {len(v.failures) - MAX_FAILURES_SHOWN} more in the JSON report")
     return "\n".join(lines)

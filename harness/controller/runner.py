@@ -20,7 +20,7 @@ from shardcheck.harness.controller.verdict import (
     merge,
 )
 from shardcheck.harness.controller.world import World
-from shardcheck.harness.wire import Checks
+from shardcheck.harness.wire import RANK_ERROR, Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
 
@@ -54,6 +54,16 @@ def controller_target(spec: str) -> Target:
     if key not in _RESOLVED:
         _RESOLVED[key] = resolve(spec)
     return _RESOLVED[key]
+
+
+def _place(verdict: Verdict, placement: dict[int, str] | None) -> None:
+    """Name where each rank of a hang or a crash runs, when the world spans machines."""
+    if not placement:
+        return
+    for f in verdict.failures:
+        if f.kind in (COLLECTIVE_MISMATCH, RANK_ERROR):
+            ranks = sorted(set(f.ranks) | {int(r) for r in f.details.get("sides", {})})
+            f.details["placement"] = {str(r): placement[r] for r in ranks if r in placement}
 
 
 def _unexplained_mutation(verdict: Verdict) -> bool:
@@ -142,6 +152,7 @@ def run(
             started = time.perf_counter()
             results = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace))
             verdict = merge(sc, results, time.perf_counter() - started)
+            _place(verdict, getattr(world, "placement", None))
             if _unexplained_mutation(verdict) or _unexplained_backward_call(verdict):
                 # the call site of an in-place write, and where a backward collective's autograd
                 # node was made, are found by watches too dear to keep on: run the scenario again

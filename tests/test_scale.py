@@ -1,0 +1,78 @@
+"""Beyond four local ranks: an 8-rank real world on 2 cores (the ``large`` suite), and a world
+that spans two torchrun agents (two "machines" on loopback) for ``shardcheck run`` and
+``pytest -m multigpu``, a hang's report naming each side's node and local rank."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardcheck.harness.controller import runner
+from shardcheck.harness.controller.report import SilentReport
+from shardcheck.scenarios import get_suite
+
+BIN = Path(sys.executable).parent
+EXAMPLE = Path(__file__).parent.parent / "examples" / "pytest_multigpu" / "test_shardcheck_regressions.py"
+
+
+@pytest.mark.world
+def test_the_large_suite_passes_on_an_8_rank_world():
+    scenarios = get_suite("large")
+    assert {sc.ranks for sc in scenarios} == {8} and {(sc.tp, sc.cp) for sc in scenarios} == {(8, 1), (1, 8), (2, 4),
+                                                                                               (4, 2)}
+    result = runner.run(scenarios, "builtin", reporter=SilentReport(), nproc=8, timeout=60)
+    assert result.info.ranks == 8 and [v.status for v in result.verdicts] == ["pass"] * len(scenarios), \
+        [v.headline() for v in result.verdicts]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(args: list[str], cwd: Path, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents, two ranks each, meeting through a c10d rendezvous on loopback."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
+    cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0"]
+    procs = [subprocess.Popen(cmd + ["--node-rank", str(n)] + args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    out = []
+    for p in procs:
+        try:
+            stdout, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
+    return out
+
+
+@pytest.mark.launch
+def test_a_world_across_two_torchrun_agents_runs_and_names_each_side(tmp_path):
+    nodes = _two_nodes(["-m", "shardcheck", "run", "--target", "builtin:skip_empty_rank", "--suite", "regressions",
+                        "--scenario", "ag-empty-local-slices", "--scenario", "ag-entropy-grad"], tmp_path)
+    assert [n.returncode for n in nodes] == [1, 1], nodes[0].stdout[-3000:] + nodes[1].stdout[-3000:]
+    report = next(n.stdout for n in nodes if "FAILED ag-empty-local-slices" in n.stdout)  # rank 0's, once
+    assert sum("FAILED ag-empty-local-slices" in n.stdout for n in nodes) == 1
+    assert "collective_mismatch in forward" in report and "ag-entropy-grad" in report
+    where = [line for line in report.splitlines() if line.strip().startswith("where:")]
+    assert any("node 0 local rank 0" in w for w in where) and any("node 1 local rank 1" in w for w in where), where
+
+
+@pytest.mark.launch
+def test_pytest_multigpu_across_two_torchrun_agents(tmp_path):
+    shutil.copy(EXAMPLE, tmp_path / EXAMPLE.name)
+    nodes = _two_nodes(["-m", "pytest", "-p", "no:cacheprovider", "-m", "multigpu", "-q", "-p", "no:warnings"],
+                       tmp_path)
+    scenarios = len(get_suite("regressions"))
+    assert [n.returncode for n in nodes] == [0, 0], nodes[0].stdout[-3000:] + nodes[1].stdout[-3000:]
+    assert sum(n.stdout.count(f"{scenarios} passed") for n in nodes) == 4  # four pytest processes, every case
