@@ -25,7 +25,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-DEFAULT_CHUNK_ROWS = 256
+DEFAULT_CHUNK_ROWS = 256  # at most; fewer at a large vocabulary (chunk_rows_for)
+CHUNK_BYTES = 8 * 2**20  # one float64 [rows, V] chunk: small enough that the allocator reuses it
+
+
+def chunk_rows_for(vocab: int | None) -> int:
+    """Rows per chunk by default: DEFAULT_CHUNK_ROWS, or as many as keep a float64 [rows, V]
+    tensor within CHUNK_BYTES (at V = 151,936: 6 rows, 7.3 MB). A chunk the size of the heap's
+    reusable blocks is not handed back to the kernel and faulted in again each time, which at a
+    real vocabulary cost more than the arithmetic (and it bounds the peak: a handful of chunks)."""
+    if not vocab:
+        return DEFAULT_CHUNK_ROWS
+    return max(1, min(DEFAULT_CHUNK_ROWS, CHUNK_BYTES // (8 * vocab)))
 
 
 @runtime_checkable
@@ -54,16 +65,38 @@ def as_rows(logits: torch.Tensor | Rows) -> Rows:
     return TensorRows(logits) if isinstance(logits, torch.Tensor) else logits
 
 
+class _Buffers:
+    """The float64 [chunk, V] work tensors of one call, allocated once and reused chunk after
+    chunk: at a real vocabulary, allocating (and faulting in) fresh ones for every chunk cost
+    more than the arithmetic, and let the heap grow with fragments."""
+
+    def __init__(self) -> None:
+        self.s: torch.Tensor | None = None
+        self.logp: torch.Tensor | None = None
+        self.p: torch.Tensor | None = None
+
+    def take(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.s is None or self.s.shape[0] < rows or self.s.shape[1] != vocab or self.s.device != device:
+            self.s, self.logp, self.p = (torch.empty(rows, vocab, dtype=torch.float64, device=device) for _ in range(3))
+        return self.s[:rows], self.logp[:rows], self.p[:rows]
+
+
 def _chunk_stats(
-    z: torch.Tensor, temperature: float, device: torch.device | None
+    z: torch.Tensor, temperature: float, device: torch.device | None, buffers: _Buffers | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s, log p, p, entropy) of one chunk, float64."""
-    s = z.to(device=device or z.device, dtype=torch.float64) / temperature
-    logp_all = torch.log_softmax(s, dim=-1)
-    p = logp_all.exp()
-    # -sum p log p, with 0 * log 0 = 0 (exp underflow gives p = 0 exactly, log p finite)
-    entropy = -(p * logp_all).sum(dim=-1)
-    return s, logp_all, p, entropy
+    """(s, log p, p, entropy) of one chunk, float64 (s, log p and p in ``buffers``, overwritten by
+    the next chunk)."""
+    buffers = buffers if buffers is not None else _Buffers()
+    s, logp, p = buffers.take(z.shape[0], z.shape[-1], device or z.device)
+    s.copy_(z)
+    if temperature != 1.0:
+        s.div_(temperature)
+    torch._log_softmax(s, -1, False, out=logp)  # torch.log_softmax's own kernel, into the buffer
+    torch.exp(logp, out=p)
+    # -sum p log p, with 0 * log 0 = 0 (exp underflow gives p = 0 exactly, log p finite); a
+    # batched dot product, so no [chunk, V] temporary
+    entropy = -torch.einsum("ij,ij->i", p, logp)
+    return s, logp, p, entropy
 
 
 Keep = Mapping[int, Sequence[int]]  # row -> the token ids its sampler kept (rows absent: all)
@@ -107,19 +140,22 @@ def logprob_entropy(
     targets: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
     device: torch.device | str | None = None,
     keep: Keep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row log-prob of ``targets`` and entropy, float64 ``[T]`` each (on ``device``); a row
-    in ``keep`` has its log-prob renormalised over its keep set and target."""
+    in ``keep`` has its log-prob renormalised over its keep set and target. ``chunk_rows``:
+    default :func:`chunk_rows_for` the vocabulary."""
     source = as_rows(logits)
+    chunk_rows = chunk_rows if chunk_rows is not None else chunk_rows_for(_vocab(source))
     _check(source, targets, chunk_rows, keep, _vocab(source) if keep else None)
     device = torch.device(device) if device is not None else None
     logps, entropies = [], []
+    buffers = _Buffers()
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
-        s, logp_all, _, entropy = _chunk_stats(source.rows(start, stop), temperature, device)
+        s, logp_all, _, entropy = _chunk_stats(source.rows(start, stop), temperature, device, buffers)
         mask = _keep_mask(keep, start, stop, targets, s.shape[-1], s.device)
         if mask is not None:
             logp_all = torch.log_softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
@@ -141,7 +177,7 @@ def loss_grad_chunks(
     *,
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
     columns: slice | None = None,
     device: torch.device | str | None = None,
     keep: Keep | None = None,
@@ -151,9 +187,10 @@ def loss_grad_chunks(
     ``w_logprob[i]`` / ``w_entropy[i]`` weight row i's log-prob / entropy in the loss; a row that
     is not scored has weight 0. ``w_entropy=None`` means no entropy term at all. ``keep``: the
     rows whose log-prob is processed (see the module's docstring). Arguments are checked at the
-    call, not at the first ``next()``.
+    call, not at the first ``next()``. ``chunk_rows``: default :func:`chunk_rows_for` the vocabulary.
     """
     source = as_rows(logits)
+    chunk_rows = chunk_rows if chunk_rows is not None else chunk_rows_for(_vocab(source))
     _check(source, targets, chunk_rows, keep, _vocab(source) if keep else None)
     return _grad_chunks(source, targets, w_logprob, w_entropy, entropy_coef, temperature, chunk_rows,
                         columns if columns is not None else slice(None),
@@ -165,9 +202,10 @@ def _grad_chunks(
     entropy_coef: float, temperature: float, chunk_rows: int, columns: slice, device: torch.device | None,
     keep: Keep | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
+    buffers = _Buffers()
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
-        s, _, p, _ = _chunk_stats(source.rows(start, stop), temperature, device)
+        s, _, p, _ = _chunk_stats(source.rows(start, stop), temperature, device, buffers)
         w_lp = w_logprob[start:stop].to(device=s.device, dtype=torch.float64).unsqueeze(1)
         mask = _keep_mask(keep, start, stop, targets, s.shape[-1], s.device)
         # the log-prob's softmax: over each row's keep set where it has one
@@ -177,9 +215,9 @@ def _grad_chunks(
         grad.scatter_add_(1, targets[start:stop].to(s.device).unsqueeze(1), w_lp)
         if w_entropy is not None and entropy_coef != 0:
             w_ent = w_entropy[start:stop].to(device=s.device, dtype=torch.float64).unsqueeze(1)
-            s -= (p * s).sum(dim=-1, keepdim=True)  # s - sum_v p_v s_v, in place
-            grad.addcmul_(p * s, entropy_coef * w_ent)
-        del s, p  # only the yielded chunk stays alive while the caller looks at it
+            s -= torch.einsum("ij,ij->i", p, s).unsqueeze(1)  # s - sum_v p_v s_v, in the buffer
+            grad.addcmul_(s.mul_(p), entropy_coef * w_ent)  # p * (s - sum p s), in the buffer too
+        del s, p  # buffers, overwritten by the next chunk; only the yielded gradient is the caller's
         grad /= temperature
         yield start, grad[:, columns]
         del grad

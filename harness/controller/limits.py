@@ -53,7 +53,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 # The data path's own figures (mirrored: their modules import torch; tests check they agree).
 BLOCK_ROWS = 64  # scenarios.data.BLOCK_ROWS: logit rows are generated 64 at a time, full vocab
-CHUNK_ROWS = 256  # reference.DEFAULT_CHUNK_ROWS: the float64 reference's rows per chunk
+CHUNK_ROWS = 256  # reference.DEFAULT_CHUNK_ROWS: the float64 reference's rows per chunk, at most
+# (fewer past a vocabulary of 4096: reference.chunk_rows_for; the estimate stays the upper bound)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # float64 [chunk rows, vocab] tensors alive at once in the reference: the scaled logits, the
 # log-softmax, the probabilities, the gradient and one temporary (p * s, or the comparison's).
