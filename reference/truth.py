@@ -151,7 +151,10 @@ def logprob_entropy(
     chunk_rows = chunk_rows if chunk_rows is not None else chunk_rows_for(_vocab(source))
     _check(source, targets, chunk_rows, keep, _vocab(source) if keep else None)
     device = torch.device(device) if device is not None else None
-    logps, entropies = [], []
+    # the results are written into tensors made up front: small tensors kept one per chunk would
+    # pin pieces of the freed chunks and fragment the heap (at V = 151,936, T = 32,768: 17.7 GiB)
+    logps = torch.empty(source.num_rows, dtype=torch.float64, device=device)
+    entropies = torch.empty(source.num_rows, dtype=torch.float64, device=device)
     buffers = _Buffers()
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
@@ -161,12 +164,11 @@ def logprob_entropy(
             logp_all = torch.log_softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
         del s
         y = targets[start:stop].to(logp_all.device).unsqueeze(1)
-        logps.append(logp_all.gather(1, y).squeeze(1))
-        entropies.append(entropy)
-    if not logps:
-        empty = torch.empty(0, dtype=torch.float64, device=device)
-        return empty, empty.clone()
-    return torch.cat(logps), torch.cat(entropies)
+        if logps.device != logp_all.device:  # device None: wherever the logits are
+            logps, entropies = logps.to(logp_all.device), entropies.to(logp_all.device)
+        logps[start:stop] = logp_all.gather(1, y).squeeze(1)
+        entropies[start:stop] = entropy
+    return logps, entropies
 
 
 def loss_grad_chunks(
