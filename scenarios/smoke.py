@@ -93,7 +93,9 @@ def smoke() -> list[Scenario]:
 @suite
 def large() -> list[Scenario]:
     """tp * cp = 8 (8x1, 1x8, 2x4, 4x2) on an 8-rank world, long prompts leaving CP ranks empty"""
-    out = []
+    # and the same samples on one device (8 replicas): what a target without parallel code runs
+    out = [Scenario("thd-tp1cp1-large", _samples((97, 5), (64, 33), (33, 17)), vocab=64, entropy_coef=0.1,
+                    log_probs_chunk_size=7, temperature=0.9, seed=299, description="the large samples, tp 1 cp 1")]
     for tp, cp, layouts in ((8, 1, ("thd", "bshd")), (1, 8, ("zigzag", "allgather")), (2, 4, ("zigzag", "allgather")),
                             (4, 2, ("zigzag", "allgather"))):
         for layout in layouts:
