@@ -67,8 +67,11 @@ def test_a_world_across_two_torchrun_agents_runs_and_names_each_side(tmp_path):
     assert any("node 0 local rank 0" in w for w in where) and any("node 1 local rank 1" in w for w in where), where
 
 
+@pytest.mark.world
 @pytest.mark.launch
 def test_pytest_multigpu_across_two_torchrun_agents(tmp_path):
+    """Every rank runs pytest and shardcheck joins the launcher's world (the plugin's torchrun
+    path), here spanning two agents."""
     shutil.copy(EXAMPLE, tmp_path / EXAMPLE.name)
     nodes = _two_nodes(["-m", "pytest", "-p", "no:cacheprovider", "-m", "multigpu", "-q", "-p", "no:warnings"],
                        tmp_path)
