@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     _world_options(r)
     _scenario_options(r)
     r.add_argument("--json-report", metavar="FILE", help="write the report here, updated as results arrive")
+    r.add_argument("--html-report", metavar="FILE",
+                   help="write a self-contained HTML page here (lanes of each hang, the layout map), updated as "
+                        "results arrive; built from the JSON report's data")
     r.add_argument("--nproc", type=int, default=None,
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--trace", action="store_true",
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the minimal failing scenario is written (default: .shardcheck/simulate-failure.json)")
     m.add_argument("--no-replay", action="store_true",
                    help="do not replay the minimal failing scenario on a real world, even when it fits")
+    h = sub.add_parser("report", help="render a saved JSON report as the HTML page --html-report writes")
+    h.add_argument("json", metavar="JSON", help="a JSON report (shardcheck run --json-report)")
+    h.add_argument("--html", required=True, metavar="FILE", help="where the page is written")
     sub.add_parser("suites", help="list the named suites")
     sub.add_parser("targets", help="list the registered targets")
     return p
@@ -252,6 +258,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return _bisect(args)
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "report":
+            return _report(args)
         if args.command == "suites":
             return _suites()
         if args.command == "targets":
@@ -331,15 +339,32 @@ def _run(args: argparse.Namespace) -> int:
         world = JoinedWorld(timeout=args.timeout, lockstep=not args.no_lockstep, backend=args.backend)
         if int(os.environ["RANK"]) != 0:  # one report: rank 0's (every rank reaches the same verdicts)
             args.json_report = None
+    if args.html_report:
+        from shardcheck.harness.controller.html_report import check_writable
+
+        check_writable(args.html_report)  # before any world starts
     json_report = _json_report(args, JsonReport)
+    html_report, scratch = None, None
+    if args.html_report and (world is None or world.rank == 0):
+        from shardcheck.harness.controller.html_report import HtmlReport
+
+        if json_report is None:  # the page is built from the JSON report's data: keep one aside
+            import tempfile
+
+            scratch = tempfile.TemporaryDirectory(prefix="shardcheck-report-")
+            json_report = JsonReport(os.path.join(scratch.name, "report.json"), {"suite": args.suite or "smoke"})
+        html_report = HtmlReport(args.html_report, json_report)
     terminal = SilentReport() if world is not None and world.rank != 0 else TerminalReport(quiet=args.quiet)
     try:
-        result = runner.run(scenarios, args.target, reporter=Reporters(terminal, json_report), nproc=args.nproc,
+        result = runner.run(scenarios, args.target, reporter=Reporters(terminal, json_report, html_report),
+                            nproc=args.nproc,
                             timeout=args.timeout, lockstep=not args.no_lockstep, trace=args.trace,
                             backend=args.backend, inplace=not args.no_inplace, world=world)
     finally:
         if world is not None:
             world.close()
+        if scratch is not None:
+            scratch.cleanup()
     if result.verdicts and all(v.status == "skip" for v in result.verdicts) and not args.allow_all_skipped:
         print(f"shardcheck: nothing was checked: all {len(result.verdicts)} scenarios were skipped "
               "(--allow-all-skipped to exit 0)", file=sys.stderr)
@@ -439,6 +464,26 @@ def _simulate(args: argparse.Namespace) -> int:
     _use_target_config(args)
     scenarios = _select(args) if (args.suite or args.scenario_file) else None
     return simulate.main(args, scenarios, _target_args(args))
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from shardcheck.harness.controller.html_report import check_writable, render, write
+
+    try:
+        with open(args.json, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise BadInput(f"JSON report {args.json!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"JSON report {args.json!r} cannot be read: {exc}") from None
+    if not isinstance(doc, dict):
+        raise BadInput(f"{args.json!r} is not a shardcheck JSON report (not an object)")
+    check_writable(args.html)
+    write(args.html, render(doc))
+    print(f"wrote {args.html}")
+    return EXIT_OK
 
 
 def _bisect(args: argparse.Namespace) -> int:

@@ -193,6 +193,11 @@ def _entry(verdict: Verdict) -> bytes:
     return _json(verdict.to_dict(), 2)
 
 
+def entry(verdict: Verdict) -> dict[str, Any]:
+    """A verdict's entry as the JSON report holds it (plain data, read back from its bytes)."""
+    return json.loads(_entry(verdict))
+
+
 def _write_all(fd: int, parts: list[bytes], offset: int) -> None:
     """``parts``, one after the other, at ``offset``: gathered, not joined, into as few writes
     as the system takes (one for a part alone; a regular file takes a write whole, but should

@@ -1,0 +1,253 @@
+"""The HTML report: one self-contained page (styles inline, no script needed to read it) built
+from the JSON report's document, so ``--html-report`` and ``shardcheck report r.json --html``
+give the same page from the same data.
+
+The page: the target and the world; every scenario's verdict in a table; for each failing
+scenario, its findings, the *lanes* of each collective mismatch (every rank of the divergent
+group side by side, call by call, the divergent call marked on each lane, a rank that issued no
+such call shown ending there), the *layout map* (per rank of the layout, the rows it holds:
+samples in turn, prompt, response and padding rows told apart in text as well as in colour,
+ranks with no response token said so) and the scenario as JSON, to replay.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+from typing import Any
+
+from shardcheck.errors import BadInput
+
+REQUIRED = ("scenarios",)
+_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#111}
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}
+tr.fail td{background:#fde8e8}tr.skip td{color:#666}
+.lanes td{font:12px monospace;max-width:28em}.lanes tr.divergent td{background:#ffd27a;font-weight:bold}
+.lanes td.ended{color:#a00;font-style:italic}
+.strip{display:flex;height:18px;margin:2px 0;border:1px solid #888;max-width:60em}
+.seg{height:100%;min-width:1px}.prompt{opacity:.35}.response{opacity:1}.last{opacity:.6}
+.pad{background:repeating-linear-gradient(45deg,#bbb 0 3px,#fff 3px 6px)!important}
+.s0{background:#1f77b4}.s1{background:#ff7f0e}.s2{background:#2ca02c}.s3{background:#d62728}
+.s4{background:#9467bd}.s5{background:#8c564b}.s6{background:#e377c2}.s7{background:#17becf}
+pre{background:#f4f4f4;padding:.5em;overflow-x:auto}.muted{color:#666}
+"""
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The page for a JSON report's document (a partial one too: what is missing is named)."""
+    missing = [k for k in REQUIRED if k not in doc]
+    if missing:
+        raise BadInput(f"not a shardcheck JSON report: no {', '.join(missing)} field")
+    out = ["<!doctype html><html lang=en><head><meta charset=utf-8><title>shardcheck report</title>",
+           f"<style>{_STYLE}</style></head><body>", "<h1>shardcheck report</h1>"]
+    out += _summary(doc)
+    failing = [s for s in doc["scenarios"] if s.get("verdict") == "fail"]
+    for entry in failing:
+        out += _scenario(entry, doc.get("target_spec"))
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _summary(doc: dict[str, Any]) -> list[str]:
+    target = doc.get("target") or {}
+    lines = [f"<p>target: <b>{_e(target.get('name', doc.get('target_spec', '?')))}</b> "
+             f"{_e(target.get('version', ''))}"]
+    if "ranks" in doc:
+        lines[-1] += f"; world: {_e(doc['ranks'])} ranks ({_e(doc.get('backend', '?'))})"
+    summary = doc.get("summary")
+    if summary:
+        lines.append(f"<p>{summary.get('total', 0)} scenarios: {summary.get('pass', 0)} passed, "
+                     f"{summary.get('fail', 0)} failed, {summary.get('skip', 0)} skipped"
+                     + ("" if doc.get("complete", True) else " <b>(incomplete: the run did not finish)</b>") + "</p>")
+    absent = [k for k in ("target", "summary", "ranks") if k not in doc]
+    if absent:
+        lines.append(f"<p class=muted>this report has no {', '.join(absent)} field (an older shardcheck, or a run "
+                     "that stopped early): shown without it</p>")
+    lines.append("<h2>Scenarios</h2><table id=scenarios><tr><th>scenario<th>layout<th>tp<th>cp<th>verdict"
+                 "<th>kinds<th>detail</tr>")
+    for s in doc["scenarios"]:
+        verdict = s.get("verdict", "?")
+        detail = s.get("reason") or "; ".join(f.get("message", "")[:160] for f in (s.get("failures") or [])[:1])
+        name = _e(s.get("name", "?"))
+        link = f"<a href='#sc-{name}'>{name}</a>" if verdict == "fail" else name
+        lines.append(f"<tr class={_e(verdict)} data-kinds='{_e(' '.join(s.get('kinds') or []))}'><td>{link}"
+                     f"<td>{_e(s.get('layout', ''))}<td>{_e(s.get('tp', ''))}<td>{_e(s.get('cp', ''))}"
+                     f"<td>{_e(verdict.upper() if verdict == 'fail' else verdict)}<td>{_e(', '.join(s.get('kinds') or []))}"
+                     f"<td>{_e(detail)}</tr>")
+    lines.append("</table>")
+    return lines
+
+
+def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
+    name = _e(entry.get("name", "?"))
+    out = [f"<section id='sc-{name}'><h2>FAILED {name}</h2><ul>"]
+    for f in entry.get("failures") or []:
+        phase = f" in {f['phase']}" if f.get("phase") else ""
+        ranks = ",".join(map(str, f.get("ranks") or []))
+        out.append(f"<li><b>{_e(f.get('kind'))}</b>{_e(phase)} [ranks {_e(ranks)}]: {_e(f.get('message'))}")
+    out.append("</ul>")
+    for f in entry.get("failures") or []:
+        if f.get("kind") == "collective_mismatch" and f.get("details", {}).get("group_ranks"):
+            out += _lanes(f, entry.get("traces") or {})
+    scenario = entry.get("scenario")
+    if scenario:
+        out += _layout_map(scenario)
+        out.append("<h3>Scenario</h3><pre class=scenario>" + _e(json.dumps(scenario, sort_keys=True)) + "</pre>")
+        if target_spec:
+            out.append(f"<p>To run it again, save it as <code>scenario.json</code>, then:</p><pre class=replay>"
+                       f"shardcheck run --target {_e(target_spec)} --scenario-file scenario.json</pre>")
+    out.append("</section>")
+    return out
+
+
+def _lanes(failure: dict[str, Any], traces: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """One lane (column) per rank of the divergent group, calls aligned by their number in it."""
+    d = failure["details"]
+    group = list(d["group_ranks"])
+    divergent = int(d.get("call", -1))
+    sides = d.get("sides") or {}
+    lanes: dict[int, dict[int, dict[str, Any]]] = {}
+    for r in group:
+        calls = [c for c in traces.get(str(r), []) if list(c.get("ranks") or []) == group]
+        lanes[r] = {int(c["number"]): c for c in calls}
+        side = sides.get(str(r))
+        if side and "op" in side and divergent not in lanes[r]:
+            lanes[r][divergent] = side
+    numbers = sorted({n for lane in lanes.values() for n in lane if n <= divergent} | {divergent})
+    label = d.get("label") or "group"
+    out = [f"<h3>Lanes: {_e(label)} group {_e(group)}, call {divergent} diverges</h3>",
+           "<table class=lanes><tr><th>call" + "".join(f"<th>rank {r}" for r in group) + "</tr>"]
+    for n in numbers:
+        mark = " class=divergent" if n == divergent else ""
+        cells = []
+        for r in group:
+            c = lanes[r].get(n)
+            side = sides.get(str(r)) or {}
+            if c is not None:
+                cells.append(f"<td>{_e(_call_text(c))}" + (" &larr; diverges" if n == divergent else ""))
+            elif n == divergent and "finished_after" in side:
+                cells.append(f"<td class=ended>finished the scenario after {side['finished_after']} calls here "
+                             "(issues no such call)")
+            else:
+                cells.append("<td class=muted>(not in the trace kept)")
+        out.append(f"<tr{mark}><td>{n}{' (divergent)' if n == divergent else ''}" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return out
+
+
+def _call_text(c: dict[str, Any]) -> str:
+    shape = ",".join("x".join(map(str, s)) for s in c.get("shapes") or []) or "-"
+    red = f"{c['reduce_op']}, " if c.get("reduce_op") else ""
+    return f"{c.get('op')}({red}{c.get('dtype')}[{shape}]) {c.get('phase')} at {c.get('site')}"
+
+
+def _layout_map(scenario: dict[str, Any]) -> list[str]:
+    """Per rank of the layout (tp rank, cp rank): its rows, sample after sample."""
+    from shardcheck.harness.layout import rank_layout
+    from shardcheck.scenarios.scenario import Scenario
+
+    try:
+        sc = Scenario.from_dict(scenario)
+    except BadInput as exc:
+        return [f"<p class=muted>no layout map: {_e(exc)}</p>"]
+    out = [f"<h3>Layout map: {_e(sc.layout)}, tp {sc.tp} x cp {sc.cp} (one strip per rank; colour: sample; "
+           "faint: prompt rows, solid: rows scoring a response token, hatched: padding)</h3><div class=layout>"]
+    for cp_rank in range(sc.cp):
+        for tp_rank in range(sc.tp):
+            lay = rank_layout(sc, tp_rank, cp_rank)
+            rank = cp_rank * sc.tp + tp_rank
+            segs, words, kinds = [], [], set()
+            for p in lay.pieces:
+                for cls, a, b in _runs(sc, p.stream, p.start, p.stop):
+                    kinds.add(cls)
+                    color = f"s{p.stream % 8}" if p.stream < len(sc.samples) else ""
+                    what = f"sample {p.stream}" if p.stream < len(sc.samples) else "tail padding"
+                    segs.append(f"<span class='seg {color} {cls}' style='flex:{b - a}' "
+                                f"title='{what} rows {a}-{b - 1}: {cls}'></span>")
+                    words.append(f"{what} rows {a}-{b - 1} {cls}")
+            empty = "" if "response" in kinds else " <b>holds no row scoring a response token</b>"
+            if not any(lay.share):
+                empty += " <b>returns no response token (its share is empty)</b>"
+            out.append(f"<div>rank {rank} (tp {tp_rank}, cp {cp_rank}), columns {lay.columns[0]}-{lay.columns[1] - 1}"
+                       f"{empty}<div class=strip>{''.join(segs)}</div><span class=muted>{_e('; '.join(words))}</span>"
+                       "</div>")
+    out.append("</div>")
+    return out
+
+
+def _runs(sc: Any, stream: int, start: int, stop: int) -> list[tuple[str, int, int]]:
+    """Consecutive positions of one piece, by kind: prompt, response (scores a response token),
+    last (the sample's last row, which scores nothing), pad."""
+    def kind(pos: int) -> str:
+        if stream >= len(sc.samples) or pos >= sc.samples[stream].total:
+            return "pad"
+        s = sc.samples[stream]
+        if pos == s.total - 1:
+            return "last"
+        return "response" if pos >= s.prompt - 1 else "prompt"
+
+    runs: list[tuple[str, int, int]] = []
+    for pos in range(start, stop):
+        k = kind(pos)
+        if runs and runs[-1][0] == k:
+            runs[-1] = (k, runs[-1][1], pos + 1)
+        else:
+            runs.append((k, pos, pos + 1))
+    return runs
+
+
+def write(path: str, page: str) -> None:
+    """Atomically: a reader sees the old page or the new one, never half of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".shardcheck-html-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def check_writable(path: str) -> None:
+    """One line, before any world starts, when the page could not be written."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise BadInput(f"--html-report {path!r} is a directory")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise BadInput(f"cannot write the HTML report {path!r}: its folder does not exist or is not writable")
+
+
+class HtmlReport:
+    """A reporter that rewrites the page after every scenario, from the same document the JSON
+    report writes (the JSON reporter it follows)."""
+
+    def __init__(self, path: str, json_report: Any) -> None:
+        check_writable(path)
+        self.path, self.json_report = path, json_report
+
+    def _write(self) -> None:
+        from shardcheck.harness.controller.report import entry
+
+        doc = dict(self.json_report.doc)
+        doc["scenarios"] = [entry(v) for v in sorted(self.json_report.verdicts, key=self.json_report.order_of)]
+        write(self.path, render(doc))
+
+    def start(self, info: Any, scenarios: list) -> None:
+        self._write()
+
+    def add(self, verdict: Any) -> None:
+        self._write()
+
+    def finish(self, info: Any) -> None:
+        self._write()

@@ -1,0 +1,70 @@
+"""The HTML report: built from the JSON report's data (``--html-report`` and ``shardcheck report``
+give the same page), self-contained, with the lanes of a hang and the layout map. Read here as
+text (what a person sees in it); a browser test is future work (issue 16)."""
+
+import html
+import json
+import re
+
+import pytest
+
+from conftest import run_on_world
+from shardcheck.harness.controller.html_report import render
+from shardcheck.scenarios import get_suite
+
+HANG = [s for s in get_suite("regressions") if s.name == "ag-empty-local-slices"]
+
+
+def _text(page: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", re.sub(r"<style>.*?</style>", "", page, flags=re.S)))
+
+
+@pytest.fixture(scope="module")
+def hang_report(world, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("html")
+    return run_on_world(world, HANG, "builtin:skip_empty_rank", tmp / "r.json", "regressions").report
+
+
+def test_a_hang_shows_both_lanes_and_a_strip_per_rank(hang_report):
+    page = render(hang_report)
+    text = _text(page)
+    assert "FAILED ag-empty-local-slices" in text and "collective_mismatch" in text
+    lanes = page.split("<table class=lanes>")[1].split("</table>")[0]
+    divergent = re.search(r"<tr class=divergent>(.*?)</tr>", lanes, re.S).group(1)
+    assert "finished the scenario after 0 calls here" in divergent and "all_reduce(SUM, float32[5])" in divergent
+    assert divergent.count("<td") == 3  # the call number and one cell per rank of the group
+    layout = page.split("Layout map")[1]
+    assert layout.count("<div class=strip>") == 2  # tp 1 x cp 2: one strip per rank
+    assert "rank 0 (tp 0, cp 0)" in text and "holds no row scoring a response token" in text
+    assert "returns no response token (its share is empty)" in text
+    assert '"name": "ag-empty-local-slices"' in html.unescape(page)  # the scenario, to replay
+    assert "shardcheck run --target builtin:skip_empty_rank --scenario-file scenario.json" in text
+    assert "<script src" not in page and "http" not in page.split("</style>")[1]  # nothing fetched at view time
+
+
+def test_the_command_renders_a_saved_report_as_the_run_did(hang_report, tmp_path, cli_in_process):
+    saved = tmp_path / "r.json"
+    saved.write_text(json.dumps(hang_report))
+    out = tmp_path / "out.html"
+    proc = cli_in_process("report", str(saved), "--html", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == render(hang_report)
+
+
+def test_an_older_or_partial_report_renders_what_it_can(hang_report, tmp_path, cli_in_process):
+    old = {k: v for k, v in hang_report.items() if k not in ("target", "summary")}
+    text = _text(render(old))
+    assert "this report has no target, summary field" in text and "FAILED ag-empty-local-slices" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"target": {}}))
+    proc = cli_in_process("report", str(bad), "--html", str(tmp_path / "o.html"))
+    assert proc.returncode == 2 and "not a shardcheck JSON report: no scenarios field" in proc.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "--html-report", "/no/such/folder/r.html"], "cannot write the HTML report '/no/such/folder/r.html'"),
+    (["report", "/no/such.json", "--html", "x.html"], "JSON report '/no/such.json' does not exist"),
+])
+def test_bad_paths_are_one_line_exit_2_before_any_world(cli_in_process, args, fragment):
+    proc = cli_in_process(*args)
+    assert proc.returncode == 2 and fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
