@@ -68,3 +68,18 @@ def test_an_older_or_partial_report_renders_what_it_can(hang_report, tmp_path, c
 def test_bad_paths_are_one_line_exit_2_before_any_world(cli_in_process, args, fragment):
     proc = cli_in_process(*args)
     assert proc.returncode == 2 and fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.world
+def test_the_error_map_marks_the_failing_token(world, tmp_path):
+    """plants:CorruptValue moves one log-prob (sample 1, token 3): that cell alone is marked."""
+    from shardcheck.scenarios import Sample, Scenario
+
+    sc = Scenario("corrupt", (Sample(12, 6), Sample(10, 7)), vocab=16, tp=2, seed=3)
+    report = run_on_world(world, [sc], "plants:CorruptValue", tmp_path / "r.json", "x").report
+    page = render(report)
+    errors = page.split("Error map")[1].split("Layout map")[0]
+    assert "sample 1 (7 response tokens): value wrong at tokens 3" in _text(errors)
+    strips = re.findall(r"<div class='strip errors'>(.*?)</div>", errors, re.S)
+    assert [s.count("tok val") + s.count("tok both") for s in strips] == [0, 1]
+    assert "title='token 3: val'" in strips[1] or "title='token 3: both'" in strips[1]

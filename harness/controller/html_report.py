@@ -7,7 +7,8 @@ scenario, its findings, the *lanes* of each collective mismatch (every rank of t
 group side by side, call by call, the divergent call marked on each lane, a rank that issued no
 such call shown ending there), the *layout map* (per rank of the layout, the rows it holds:
 samples in turn, prompt, response and padding rows told apart in text as well as in colour,
-ranks with no response token said so) and the scenario as JSON, to replay.
+ranks with no response token said so), the *error map* (per sample, which response tokens have
+a wrong value or gradient) and the scenario as JSON, to replay.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ tr.fail td{background:#fde8e8}tr.skip td{color:#666}
 .pad{background:repeating-linear-gradient(45deg,#bbb 0 3px,#fff 3px 6px)!important}
 .s0{background:#1f77b4}.s1{background:#ff7f0e}.s2{background:#2ca02c}.s3{background:#d62728}
 .s4{background:#9467bd}.s5{background:#8c564b}.s6{background:#e377c2}.s7{background:#17becf}
+.tok{flex:1;height:100%;border-right:1px solid #fff}.tok.ok{background:#cfe8cf}.tok.val{background:#d62728}
+.tok.grad{background:#ff9f1a}.tok.both{background:#5a0000}
 pre{background:#f4f4f4;padding:.5em;overflow-x:auto}.muted{color:#666}
 """
 
@@ -98,6 +101,7 @@ def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
             out += _lanes(f, entry.get("traces") or {})
     scenario = entry.get("scenario")
     if scenario:
+        out += _error_map(entry, scenario)
         out += _layout_map(scenario)
         out.append("<h3>Scenario</h3><pre class=scenario>" + _e(json.dumps(scenario, sort_keys=True)) + "</pre>")
         if target_spec:
@@ -140,6 +144,62 @@ def _lanes(failure: dict[str, Any], traces: dict[str, list[dict[str, Any]]]) -> 
         out.append(f"<tr{mark}><td>{n}{' (divergent)' if n == divergent else ''}" + "".join(cells) + "</tr>")
     out.append("</table>")
     return out
+
+
+def _error_map(entry: dict[str, Any], scenario: dict[str, Any]) -> list[str]:
+    """Per sample, a cell per response token: wrong value, wrong gradient, both, or right."""
+    samples = scenario.get("samples") or []
+    values: dict[int, set[int]] = {}
+    grads: dict[int, set[int]] = {}
+    other_rows: dict[int, int] = {}  # sample -> rows outside the response with a wrong gradient
+    for f in entry.get("failures") or []:
+        field, d = f.get("field"), f.get("details") or {}
+        if f.get("kind") == "value_mismatch" and field in ("log_probs", "entropy"):
+            pairs = ([(f["sample"], f["token"])] if f.get("token") is not None else []) + [tuple(t) for t in
+                                                                                          d.get("tokens", [])]
+            for sample, token in pairs:
+                values.setdefault(sample, set()).add(token)
+        if f.get("kind") == "grad_mismatch":
+            rows = ([(f["sample"], f["position"])] if f.get("sample") is not None and f.get("position") is not None
+                    else []) + [tuple(r) for r in d.get("rows", [])]
+            for sample, pos in rows:
+                total, response = samples[sample][0], samples[sample][1]
+                token = pos - (total - response - 1)
+                if 0 <= token < response:
+                    grads.setdefault(sample, set()).add(token)
+                else:
+                    other_rows[sample] = other_rows.get(sample, 0) + 1
+    if not (values or grads or other_rows):
+        return []
+    out = ["<h3>Error map (a cell per response token: red wrong value, orange wrong gradient, dark both)</h3>"]
+    for i, pair in enumerate(samples):
+        response = pair[1]
+        v, g = values.get(i, set()), grads.get(i, set())
+        cells = []
+        for j in range(response):
+            cls = "both" if j in v and j in g else "val" if j in v else "grad" if j in g else "ok"
+            cells.append(f"<span class='tok {cls}' title='token {j}: {cls}'></span>")
+        words = [f"value wrong at tokens {_spans(v)}" if v else "", f"gradient wrong at tokens {_spans(g)}" if g else "",
+                 f"gradient wrong on {other_rows[i]} prompt or padding rows" if other_rows.get(i) else ""]
+        text = "; ".join(w for w in words if w) or "right"
+        out.append(f"<div>sample {i} ({response} response tokens): {_e(text)}<div class='strip errors'>"
+                   f"{''.join(cells)}</div></div>")
+    return out
+
+
+def _spans(tokens: set[int]) -> str:
+    """1, 2, 3, 7 -> 1-3, 7"""
+    out, run = [], []
+    for t in sorted(tokens):
+        if run and t == run[-1] + 1:
+            run.append(t)
+        else:
+            if run:
+                out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = [t]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
 
 
 def _call_text(c: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from shardcheck.reference import loss_grad_chunks
 from shardcheck.scenarios.data import ScenarioData
 
 MAX_LISTED = 5  # mismatched elements listed per field and rank; the rest are counted
+MAX_MAPPED = 4096  # (sample, position) of every mismatch beyond those, for the report's error map
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ def compare_outputs(
             ))
         if len(bad) > MAX_LISTED:
             failures.append(Failure(VALUE_MISMATCH, f"{name}: {len(bad) - MAX_LISTED} more mismatched tokens",
-                                    [rank], field=name, details={"count": len(bad)}))
+                                    [rank], field=name, details={
+                                        "count": len(bad),
+                                        "tokens": [list(positions[k]) for k in bad[MAX_LISTED:MAX_MAPPED]]}))
     return failures, errors
 
 
@@ -158,6 +161,7 @@ def compare_grad(
     tol = TOLERANCES[sc.dtype]["grad"]
     a, _ = layout.columns
     listed, count, worst = [], 0, 0.0
+    mapped: dict[tuple[int, int], None] = {}  # (sample, position) of every row with a mismatch, in order
     source = shard.PieceRows(data, layout.pieces)
     for start, want in loss_grad_chunks(
         source, targets, w_lp, w_ent if sc.with_entropy else None, entropy_coef=sc.entropy_coef,
@@ -171,9 +175,12 @@ def compare_grad(
         for r, c in bad[: MAX_LISTED - len(listed)]:
             stream, pos = rows[start + r]
             listed.append(_grad_failure(layout, stream, pos, a + c, got[r, c].item(), want[r, c].item(), rank))
+        for r, _ in bad:
+            if len(mapped) < MAX_MAPPED and rows[start + r][0] < len(sc.samples):
+                mapped.setdefault(rows[start + r], None)
     if count > len(listed):
         listed.append(Failure(GRAD_MISMATCH, f"grad: {count - len(listed)} more mismatched elements",
-                              [rank], field="grad", details={"count": count}))
+                              [rank], field="grad", details={"count": count, "rows": [list(k) for k in mapped]}))
     return listed, {"grad": worst}
 
 
