@@ -7,3 +7,12 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# Headless chromium for the HTML report's browser test, from this machine's apt cache only (never
+# downloaded); the test skips with the reason where it cannot be had.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  deb=$(ls /var/cache/apt/archives/chromium_*.deb 2>/dev/null | sort -V | tail -1)
+  common=$(ls /var/cache/apt/archives/chromium-common_*.deb 2>/dev/null | sort -V | tail -1)
+  if [ -n "$deb" ] && [ -n "$common" ]; then
+    timeout 300 apt-get install -y -qq --no-download --no-install-recommends "$deb" "$common" >/dev/null 2>&1 || true
+  fi
+fi

@@ -73,8 +73,13 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     if absent:
         lines.append(f"<p class=muted>this report has no {', '.join(absent)} field (an older shardcheck, or a run "
                      "that stopped early): shown without it</p>")
-    lines.append("<h2>Scenarios</h2><table id=scenarios><tr><th>scenario<th>layout<th>tp<th>cp<th>verdict"
-                 "<th>kinds<th>detail</tr>")
+    kinds = sorted({k for s in doc["scenarios"] for k in s.get("kinds") or []})
+    lines.append("<h2>Scenarios</h2><form id=filter class=muted>show: "
+                 + "".join(f"<label><input type=checkbox name=verdict value={v} checked> {v}</label> "
+                           for v in ("pass", "fail", "skip"))
+                 + "<label>kind <select name=kind><option value=''>any</option>"
+                 + "".join(f"<option>{_e(k)}</option>" for k in kinds) + "</select></label></form>")
+    lines.append("<table id=scenarios><tr><th>scenario<th>layout<th>tp<th>cp<th>verdict<th>kinds<th>detail</tr>")
     for s in doc["scenarios"]:
         verdict = s.get("verdict", "?")
         detail = s.get("reason") or "; ".join(f.get("message", "")[:160] for f in (s.get("failures") or [])[:1])
@@ -85,7 +90,24 @@ def _summary(doc: dict[str, Any]) -> list[str]:
                      f"<td>{_e(verdict.upper() if verdict == 'fail' else verdict)}<td>{_e(', '.join(s.get('kinds') or []))}"
                      f"<td>{_e(detail)}</tr>")
     lines.append("</table>")
+    lines.append(f"<script>{_FILTER}</script>")
     return lines
+
+
+# The table's filter: the only script in the page (the page reads the same without it).
+_FILTER = """
+(function(){var f=document.getElementById('filter');function apply(){
+var on={};f.querySelectorAll('input[name=verdict]').forEach(function(c){on[c.value]=c.checked;});
+var k=f.querySelector('select[name=kind]').value;
+document.querySelectorAll('#scenarios tr[data-kinds]').forEach(function(r){
+var v=r.className;var ok=(on[v]!==false)&&(!k||(' '+r.dataset.kinds+' ').indexOf(' '+k+' ')>=0);
+r.style.display=ok?'':'none';});}
+/* a link may preset it: page.html#verdict=fail or #kind=collective_mismatch */
+location.hash.slice(1).split('&').forEach(function(kv){var p=kv.split('=');
+if(p[0]==='verdict'){f.querySelectorAll('input[name=verdict]').forEach(function(c){c.checked=c.value===p[1];});}
+if(p[0]==='kind'){f.querySelector('select[name=kind]').value=decodeURIComponent(p[1]||'');}});
+f.addEventListener('change',apply);apply();})();
+"""
 
 
 def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
