@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the contract, overriding the target's: AXIS=bitwise or AXIS=ulp:N, comma-separated "
                         "(e.g. packing=bitwise,tp=ulp:8)")
     v.add_argument("--json-report", metavar="FILE", help="write the matrix here, updated after every base scenario")
+    v.add_argument("--html-report", metavar="FILE", help="the matrix as a self-contained HTML page, updated likewise")
     v.add_argument("--nproc", type=int, default=None, help="ranks in the world (default: 4, or more if a scenario needs)")
     b = sub.add_parser("bisect", help="find the first commit of a target's source where a suite's verdict changes")
     b.add_argument("--target", default="slime",
@@ -382,16 +384,30 @@ def _invariance(args: argparse.Namespace) -> int:
     _use_target_config(args)
     scenarios = _select(args)
     _check_world_options(args, scenarios, axes)
+    if args.html_report:
+        from shardcheck.harness.controller.html_report import check_writable
+
+        check_writable(args.html_report)  # before any world starts
     report = _json_report(args, InvarianceJson)
     progress = InvarianceProgress(quiet=args.quiet)
+
+    def on_base(result: Any) -> None:
+        if report is not None:
+            report.write(result)
+        if args.html_report:
+            from shardcheck.harness.controller.html_report import render, write
+
+            doc = {"shardcheck_command": "invariance", "suite": args.suite or args.scenario_file or "smoke",
+                   **result.to_dict()}
+            write(args.html_report, render(json.loads(json.dumps(doc, default=str))))
+
     try:
         result = check_invariance(scenarios, args.target, axes=axes, expect=expect, nproc=args.nproc,
                                   timeout=args.timeout, backend=args.backend, on_run=progress,
-                                  on_base=report.write if report else None)
+                                  on_base=on_base)
     finally:
         progress.close()
-    if report is not None:
-        report.write(result)
+    on_base(result)
     print(render(result), flush=True)
     return result.exit_code
 

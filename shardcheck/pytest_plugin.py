@@ -44,6 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="a source checkout for the target (as shardcheck run --target-src)")
     group.addoption("--shardcheck-target-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the target, repeatable (as shardcheck run --target-opt)")
+    group.addoption("--shardcheck-html-report", default=None, metavar="FILE",
+                    help="one HTML page for every scenario the session checks (as shardcheck run --html-report)")
     group.addoption("--shardcheck-backend", default="auto", choices=("auto", "gloo", "nccl"),
                     help="torch.distributed backend (default auto: nccl with one GPU per rank, else gloo)")
     group.addoption("--shardcheck-nproc", type=int, default=None, metavar="N",
@@ -81,16 +83,18 @@ def parametrize_suite(suite: str | Iterable[Any], argname: str = "scenario") -> 
 class ShardcheckSession:
     """The session's world and default target; :meth:`check` runs one scenario on every rank."""
 
-    def __init__(self, world: Any, target: str) -> None:
+    def __init__(self, world: Any, target: str, report: Any = None) -> None:
         self.world = world
         self.target = target
+        self.report = report  # --shardcheck-html-report's page, or None
 
     def run(self, scenario: Any, target: str | None = None) -> Any:
         """The scenario's :class:`~shardcheck.harness.controller.verdict.Verdict` (pass, fail or skip)."""
         from shardcheck.harness.controller import runner
         from shardcheck.harness.controller.report import SilentReport
 
-        result = runner.run([scenario], target or self.target, reporter=SilentReport(), world=self.world)
+        result = runner.run([scenario], target or self.target, reporter=self.report or SilentReport(),
+                            world=self.world)
         return result.verdicts[0]
 
     def check(self, scenario: Any, target: str | None = None) -> Any:
@@ -184,9 +188,21 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
 
     opt = request.config.getoption
     target = opt("--shardcheck-target") or os.environ.get("SHARDCHECK_TARGET") or "builtin"
+    path = opt("--shardcheck-html-report")
     try:
         _use_target_config(opt("--shardcheck-target-src"), opt("--shardcheck-target-opt"))
         resolve(target)  # a bad spec or option is one line, once, before any rank starts
+        if path:
+            from shardcheck.harness.controller.html_report import check_writable
+
+            check_writable(path)
     except BadInput as exc:
         pytest.exit(f"shardcheck: {exc}", returncode=2)
-    return ShardcheckSession(request.getfixturevalue("shardcheck_world"), target)
+    world = request.getfixturevalue("shardcheck_world")
+    report = None
+    if path and getattr(world, "rank", 0) == 0:  # under torchrun, rank 0 writes it
+        from shardcheck.harness.controller.html_report import SessionHtmlReport
+
+        report = SessionHtmlReport(path)
+        request.addfinalizer(report.close)
+    return ShardcheckSession(world, target, report)

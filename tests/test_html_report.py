@@ -83,3 +83,21 @@ def test_the_error_map_marks_the_failing_token(world, tmp_path):
     strips = re.findall(r"<div class='strip errors'>(.*?)</div>", errors, re.S)
     assert [s.count("tok val") + s.count("tok both") for s in strips] == [0, 1]
     assert "title='token 3: val'" in strips[1] or "title='token 3: both'" in strips[1]
+
+
+@pytest.mark.world
+def test_an_invariance_report_shows_its_matrix(world, tmp_path, cli_in_process):
+    """builtin:packing_dependent breaks the packing axis only: that row is marked, the message
+    listed; the saved JSON renders the same page through ``shardcheck report``."""
+    from shardcheck.harness.controller.invariance import check_invariance
+
+    sc = [s for s in get_suite("regressions") if s.name == "thd-tp2-chunks"]
+    result = check_invariance(sc, "builtin:packing_dependent", axes=["rerun", "packing"], world=world)
+    doc = json.loads(json.dumps({"shardcheck_command": "invariance", **result.to_dict()}, default=str))
+    text = _text(render(doc))
+    assert "packing (violated)" in text and "rerun bitwise" in text and "Violations (" in text
+    assert "packing: log_probs of sample 0 (thd-tp2-chunks) differs" in text
+    saved = tmp_path / "inv.json"
+    saved.write_text(json.dumps(doc))
+    proc = cli_in_process("report", str(saved), "--html", str(tmp_path / "inv.html"))
+    assert proc.returncode == 0 and (tmp_path / "inv.html").read_text() == render(doc)

@@ -64,8 +64,12 @@ def test_one_testcase_per_scenario_passing_against_builtin(tmp_path):
 def test_a_mutant_fails_per_scenario_with_the_kind_in_the_message(tmp_path):
     project = _project(tmp_path)
     proc = _pytest(project, "-m", "multigpu", "-q", "--junitxml", "j.xml",
-                   "--shardcheck-target", "builtin:grad_placeholder")
+                   "--shardcheck-target", "builtin:grad_placeholder", "--shardcheck-html-report", "page.html")
     assert proc.returncode == 1, proc.stdout[-3000:]
+    # one page for the session: every scenario it checked, the failing one with its lanes
+    page = (project / "page.html").read_text()
+    assert page.count("<tr class=") >= len(SCENARIOS) and "FAILED ag-empty-local-slices" in page
+    assert "<table class=lanes>" in page and f"{len(SCENARIOS)} scenarios:" in page
     cases = _cases(project / "j.xml")
     assert len(cases) == len(SCENARIOS)
     failed = {name: msg for name, msg in cases.items() if msg}
@@ -87,6 +91,7 @@ def test_with_xdist_workers_each_own_a_world(tmp_path):
 @pytest.mark.parametrize("args, fragment", [
     (["--shardcheck-target", "no_such_module:thing"], "cannot import 'no_such_module'"),
     (["--shardcheck-target-opt", "chunk=4"], "target 'builtin' takes no --target-opt"),
+    (["--shardcheck-html-report", "/no/such/dir/p.html"], "cannot write the HTML report '/no/such/dir/p.html'"),
 ])
 def test_a_bad_target_stops_the_session_with_one_line(tmp_path, args, fragment):
     project = _project(tmp_path)

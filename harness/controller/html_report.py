@@ -40,7 +40,10 @@ pre{background:#f4f4f4;padding:.5em;overflow-x:auto}.muted{color:#666}
 
 
 def render(doc: dict[str, Any]) -> str:
-    """The page for a JSON report's document (a partial one too: what is missing is named)."""
+    """The page for a JSON report's document (a partial one too: what is missing is named); an
+    invariance report (``shardcheck invariance --json-report``) gives its matrix."""
+    if "matrix" in doc and "scenarios" not in doc:
+        return _invariance(doc)
     missing = [k for k in REQUIRED if k not in doc]
     if missing:
         raise BadInput(f"not a shardcheck JSON report: no {', '.join(missing)} field")
@@ -108,6 +111,31 @@ if(p[0]==='verdict'){f.querySelectorAll('input[name=verdict]').forEach(function(
 if(p[0]==='kind'){f.querySelector('select[name=kind]').value=decodeURIComponent(p[1]||'');}});
 f.addEventListener('change',apply);apply();})();
 """
+
+
+def _invariance(doc: dict[str, Any]) -> str:
+    """The matrix: an axis a row, a field a column, each cell the result against the contract."""
+    target = doc.get("target") or {}
+    out = ["<!doctype html><html lang=en><head><meta charset=utf-8><title>shardcheck invariance</title>",
+           f"<style>{_STYLE}</style></head><body>", "<h1>shardcheck invariance</h1>",
+           f"<p>target: <b>{_e(target.get('name', doc.get('target_spec', '?')))}</b> {_e(target.get('version', ''))};"
+           f" {_e(doc.get('bases_done', '?'))} of {_e(len(doc.get('bases') or []))} base scenarios"
+           + ("" if doc.get("complete") else " <b>(incomplete)</b>") + "</p>"]
+    violated = {v.get("details", {}).get("axis") for v in doc.get("violations") or []}
+    fields = ("log_probs", "entropy", "grad")
+    out.append("<table id=matrix><tr><th>axis<th>contract" + "".join(f"<th>{f}" for f in fields) + "</tr>")
+    for axis in doc.get("axes") or list(doc["matrix"]):
+        row = doc["matrix"].get(axis) or {}
+        mark = " class=fail" if axis in violated else ""
+        cells = "".join(f"<td>{_e((row.get(f) or {}).get('result', '-'))}" for f in fields)
+        contract = (doc.get("contract") or {}).get(axis, "none")
+        out.append(f"<tr{mark}><td>{_e(axis)}{' (violated)' if axis in violated else ''}<td>{_e(contract)}{cells}</tr>")
+    out.append("</table>")
+    violations = doc.get("violations") or []
+    out.append(f"<h2>Violations ({len(violations)})</h2><ul>" if violations else "<h2>No violations</h2><ul>")
+    out += [f"<li>{_e(v.get('message'))}" for v in violations]
+    out.append("</ul></body></html>")
+    return "\n".join(out)
 
 
 def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
@@ -321,8 +349,9 @@ class HtmlReport:
     def _write(self) -> None:
         from shardcheck.harness.controller.report import entry
 
-        doc = dict(self.json_report.doc)
-        doc["scenarios"] = [entry(v) for v in sorted(self.json_report.verdicts, key=self.json_report.order_of)]
+        source = getattr(self, "json_report", self)
+        doc = dict(source.doc)
+        doc["scenarios"] = [entry(v) for v in sorted(source.verdicts, key=source.order_of)]
         write(self.path, render(doc))
 
     def start(self, info: Any, scenarios: list) -> None:
@@ -333,3 +362,37 @@ class HtmlReport:
 
     def finish(self, info: Any) -> None:
         self._write()
+
+
+class SessionHtmlReport:
+    """One page for every scenario a pytest session checks (``--shardcheck-html-report``): each
+    check is a run of its own, the page gathers their verdicts in the order they came."""
+
+    def __init__(self, path: str) -> None:
+        check_writable(path)
+        self.path = path
+        self.doc: dict[str, Any] = {"suite": "pytest session", "complete": False}
+        self.verdicts: list[Any] = []
+
+    def order_of(self, verdict: Any) -> int:
+        return 0  # a stable sort keeps them in the order they came
+
+    def start(self, info: Any, scenarios: list) -> None:
+        self.doc.update(info.to_dict())
+
+    def add(self, verdict: Any) -> None:
+        self.verdicts.append(verdict)
+        self._write()
+
+    def finish(self, info: Any) -> None:
+        self.doc.update(info.to_dict())
+        self._write()
+
+    def close(self) -> None:
+        self.doc["complete"] = True
+        self._write()
+
+    def _write(self) -> None:
+        statuses = [v.status for v in self.verdicts]
+        self.doc["summary"] = {k: statuses.count(k) for k in ("pass", "fail", "skip")} | {"total": len(statuses)}
+        HtmlReport._write(self)  # type: ignore[arg-type]  (this object has what it reads: doc, verdicts, order_of)
