@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scenarios run while shrinking a failure, at most (default: 300)")
     f.add_argument("--out", default=None, metavar="FILE",
                    help="where the minimal failing scenario is written (default: .shardcheck/fuzz-failure.json)")
+    f.add_argument("--html-report", metavar="FILE",
+                   help="the minimal failing scenario's page (lanes, layout map, error map), as run --html-report")
     m = sub.add_parser("simulate", help="check layouts far beyond this machine for would-be hangs: every rank "
                                         "in turn in one process, on torch's fake process group")
     _world_options(m, simulated=True)
@@ -439,6 +441,10 @@ def _fuzz(args: argparse.Namespace) -> int:
 
     def on_start(plan: fuzz.FuzzResult) -> None:  # the options are valid; the world is not up yet
         _writable(out)
+        if args.html_report:
+            from shardcheck.harness.controller.html_report import check_writable
+
+            check_writable(args.html_report)
         if not args.quiet:
             print(header(plan.target, plan.seed, plan.nproc, plan.pairs, plan.layouts), file=sys.stderr, flush=True)
 
@@ -465,6 +471,10 @@ def _fuzz(args: argparse.Namespace) -> int:
             raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
         written = out
         replay = replay_command(args.target, out, _target_args(args))
+    if args.html_report:
+        from shardcheck.harness.controller.html_report import fuzz_page, write
+
+        write(args.html_report, fuzz_page(result))
     print(summary(result, written, replay, minimal), flush=True)
     return result.exit_code
 

@@ -101,3 +101,15 @@ def test_an_invariance_report_shows_its_matrix(world, tmp_path, cli_in_process):
     saved.write_text(json.dumps(doc))
     proc = cli_in_process("report", str(saved), "--html", str(tmp_path / "inv.html"))
     assert proc.returncode == 0 and (tmp_path / "inv.html").read_text() == render(doc)
+
+
+@pytest.mark.world
+def test_a_search_draws_its_minimal_failure(world2):
+    from shardcheck.harness.controller import fuzz
+    from shardcheck.harness.controller.html_report import fuzz_page
+
+    result = fuzz.fuzz("builtin:skip_empty_rank", max_examples=40, seed=2, tp=(1,), cp=(2,), layouts=["allgather"],
+                       world=world2, database=None)
+    assert result.failure is not None
+    page = fuzz_page(result)
+    assert "FAILED fuzz-minimal" in _text(page) and "<table class=lanes>" in page

@@ -364,6 +364,22 @@ class HtmlReport:
         self._write()
 
 
+def fuzz_page(result: Any) -> str:
+    """A search's page: what it ran, and its minimal failing scenario drawn as a run's would be."""
+    import dataclasses
+
+    from shardcheck.harness.controller.report import entry
+
+    failure = result.failure
+    if failure is not None:  # named as the scenario file the search writes
+        failure = dataclasses.replace(failure, scenario=result.minimal_scenario())
+    doc: dict[str, Any] = {"target_spec": result.target, "target": {"name": result.target},
+                           "summary": {"total": result.runs, "pass": result.counts.get("pass", 0),
+                                       "fail": result.counts.get("fail", 0), "skip": result.counts.get("skip", 0)},
+                           "scenarios": [entry(failure)] if failure is not None else []}
+    return render(doc)
+
+
 class SessionHtmlReport:
     """One page for every scenario a pytest session checks (``--shardcheck-html-report``): each
     check is a run of its own, the page gathers their verdicts in the order they came."""
