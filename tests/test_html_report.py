@@ -113,3 +113,14 @@ def test_a_search_draws_its_minimal_failure(world2):
     assert result.failure is not None
     page = fuzz_page(result)
     assert "FAILED fuzz-minimal" in _text(page) and "<table class=lanes>" in page
+
+
+@pytest.mark.world
+def test_a_rank_that_raised_ends_its_lane_and_its_peer_is_seen_waiting(world, tmp_path):
+    sc = [s for s in get_suite("regressions") if s.name == "ag-entropy-grad"]
+    report = run_on_world(world, sc, "plants:RaiseOnCpRank1", tmp_path / "r.json", "x").report
+    page = render(report)
+    lanes = page.split("Lanes: group [0, 2], where rank 2 ended")[1].split("</table>")[0]
+    end = re.search(r"<tr class=divergent><td>end(.*?)</tr>", lanes, re.S).group(1)
+    assert "waits in call 0 for a peer that ended" in end
+    assert "raised RuntimeError: planted failure on cp rank 1 at tests/plants.py:" in html.unescape(end)

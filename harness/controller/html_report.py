@@ -149,6 +149,7 @@ def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
     for f in entry.get("failures") or []:
         if f.get("kind") == "collective_mismatch" and f.get("details", {}).get("group_ranks"):
             out += _lanes(f, entry.get("traces") or {})
+    out += _crash_lanes(entry)
     scenario = entry.get("scenario")
     if scenario:
         out += _error_map(entry, scenario)
@@ -250,6 +251,44 @@ def _spans(tokens: set[int]) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ", ".join(out)
+
+
+def _crash_lanes(entry: dict[str, Any]) -> list[str]:
+    """For ranks that raised or died: the lanes of every group they belong to, each member's calls
+    as kept, and how each lane ends (the raise or the death, or a peer left waiting)."""
+    ended: dict[int, str] = {}
+    for f in entry.get("failures") or []:
+        if f.get("kind") != "rank_error":
+            continue
+        d = f.get("details") or {}
+        text = (f"raised {d['type']}: {d.get('message', '')}" + (f" at {d['where']}" if d.get("where") else "")
+                if d.get("type") else (f.get("message") or "")[:200])
+        for r in f.get("ranks") or []:
+            ended.setdefault(int(r), text)
+    traces = entry.get("traces") or {}
+    groups = {tuple(c.get("ranks") or []) for calls in traces.values() for c in calls}
+    groups = {g for g in groups if len(g) > 1 and set(g) & set(ended)}
+    out: list[str] = []
+    for group in sorted(groups):
+        lanes = {r: {int(c["number"]): c for c in traces.get(str(r), []) if tuple(c.get("ranks") or []) == group}
+                 for r in group}
+        numbers = sorted({n for lane in lanes.values() for n in lane})
+        out += [f"<h3>Lanes: group {_e(list(group))}, where rank {_e(', '.join(str(r) for r in group if r in ended))} "
+                "ended</h3>", "<table class=lanes><tr><th>call" + "".join(f"<th>rank {r}" for r in group) + "</tr>"]
+        for n in numbers:
+            cells = "".join(f"<td>{_e(_call_text(lanes[r][n]))}" if n in lanes[r] else "<td class=muted>"
+                            for r in group)
+            out.append(f"<tr><td>{n}{cells}</tr>")
+        last = []
+        for r in group:
+            if r in ended:
+                last.append(f"<td class=ended>{_e(ended[r])}")
+            elif lanes[r]:
+                last.append(f"<td class=ended>waits in call {max(lanes[r])} for a peer that ended")
+            else:
+                last.append("<td class=muted>(no call kept)")
+        out.append("<tr class=divergent><td>end" + "".join(last) + "</tr></table>")
+    return out
 
 
 def _call_text(c: dict[str, Any]) -> str:
