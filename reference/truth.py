@@ -148,8 +148,9 @@ def logprob_entropy(
     in ``keep`` has its log-prob renormalised over its keep set and target. ``chunk_rows``:
     default :func:`chunk_rows_for` the vocabulary."""
     source = as_rows(logits)
-    chunk_rows = chunk_rows if chunk_rows is not None else chunk_rows_for(_vocab(source))
-    _check(source, targets, chunk_rows, keep, _vocab(source) if keep else None)
+    vocab = _vocab(source) if keep or chunk_rows is None else None  # a lazy source makes a row to tell
+    chunk_rows = chunk_rows if chunk_rows is not None else chunk_rows_for(vocab)
+    _check(source, targets, chunk_rows, keep, vocab if keep else None)
     device = torch.device(device) if device is not None else None
     # the results are written into tensors made up front: small tensors kept one per chunk would
     # pin pieces of the freed chunks and fragment the heap (at V = 151,936, T = 32,768: 17.7 GiB)
@@ -192,8 +193,9 @@ def loss_grad_chunks(
     call, not at the first ``next()``. ``chunk_rows``: default :func:`chunk_rows_for` the vocabulary.
     """
     source = as_rows(logits)
-    chunk_rows = chunk_rows if chunk_rows is not None else chunk_rows_for(_vocab(source))
-    _check(source, targets, chunk_rows, keep, _vocab(source) if keep else None)
+    vocab = _vocab(source) if keep or chunk_rows is None else None  # a lazy source makes a row to tell
+    chunk_rows = chunk_rows if chunk_rows is not None else chunk_rows_for(vocab)
+    _check(source, targets, chunk_rows, keep, vocab if keep else None)
     return _grad_chunks(source, targets, w_logprob, w_entropy, entropy_coef, temperature, chunk_rows,
                         columns if columns is not None else slice(None),
                         torch.device(device) if device is not None else None, keep)

@@ -84,21 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     _world_options(b, timeout_only=True)
     f = sub.add_parser("fuzz", help="search for a failing scenario with hypothesis, shrink it, write it")
     _world_options(f)
-    f.add_argument("--max-examples", type=int, default=100, metavar="N",
-                   help="scenarios hypothesis draws before it gives up looking (default: 100)")
-    f.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="the search's random seed, to repeat a run (default: random, and printed)")
-    f.add_argument("--tp", type=_int_list, default=None, metavar="LIST",
-                   help="tensor-parallel sizes to draw from, e.g. 1,2 (default: 1,2,4)")
-    f.add_argument("--cp", type=_int_list, default=None, metavar="LIST",
-                   help="context-parallel sizes to draw from (default: 1,2,4)")
-    f.add_argument("--layout", type=_name_list, default=None, metavar="LIST",
-                   help="layouts to draw from, e.g. zigzag,allgather (default: all the target supports)")
+    _search_options(f, tp="1,2,4", cp="1,2,4")
     f.add_argument("--nproc", type=int, default=None,
                    help="ranks in the world; only tp * cp dividing it are drawn (default: the least that "
                         "every tp * cp up to 4 fits in)")
-    f.add_argument("--max-shrinks", type=int, default=300, metavar="N",
-                   help="scenarios run while shrinking a failure, at most (default: 300)")
     f.add_argument("--out", default=None, metavar="FILE",
                    help="where the minimal failing scenario is written (default: .shardcheck/fuzz-failure.json)")
     f.add_argument("--html-report", metavar="FILE",
@@ -109,16 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--suite", default=None, help="simulate a named suite's scenarios (default: a search)")
     m.add_argument("--scenario", action="append", default=[], metavar="NAME", help="only this scenario of the suite")
     m.add_argument("--scenario-file", metavar="FILE", help="simulate the scenarios in this JSON file")
-    m.add_argument("--tp", type=_int_list, default=None, metavar="LIST",
-                   help="tensor-parallel sizes to search (default: 1,2,4,8)")
-    m.add_argument("--cp", type=_int_list, default=None, metavar="LIST",
-                   help="context-parallel sizes to search (default: 1,2,4,8,16,32)")
-    m.add_argument("--layout", type=_name_list, default=None, metavar="LIST",
-                   help="layouts to search (default: all the target supports)")
-    m.add_argument("--max-examples", type=int, default=100, metavar="N", help="layouts the search tries (default: 100)")
-    m.add_argument("--seed", type=int, default=None, metavar="S", help="the search's random seed (default: random)")
-    m.add_argument("--max-shrinks", type=int, default=300, metavar="N",
-                   help="layouts simulated while shrinking a failure, at most (default: 300)")
+    _search_options(m, tp="1,2,4,8", cp="1,2,4,8,16,32")
     m.add_argument("--max-world", type=int, default=1024, metavar="N",
                    help="the largest tp * cp simulated (default: 1024)")
     m.add_argument("--out", default=None, metavar="FILE",
@@ -177,6 +157,23 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                    help="an option for the target (repeatable; `shardcheck targets` lists each target's)")
 
 
+def _search_options(p: argparse.ArgumentParser, *, tp: str, cp: str) -> None:
+    """The options of a hypothesis search (fuzz, simulate); ``tp``, ``cp``: the default sizes,
+    as the help says them."""
+    p.add_argument("--max-examples", type=int, default=100, metavar="N",
+                   help="scenarios hypothesis draws before it gives up looking (default: 100)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="the search's random seed, to repeat a run (default: random, and printed)")
+    p.add_argument("--tp", type=_int_list, default=None, metavar="LIST",
+                   help=f"tensor-parallel sizes to draw from, e.g. 1,2 (default: {tp})")
+    p.add_argument("--cp", type=_int_list, default=None, metavar="LIST",
+                   help=f"context-parallel sizes to draw from (default: {cp})")
+    p.add_argument("--layout", type=_name_list, default=None, metavar="LIST",
+                   help="layouts to draw from, e.g. zigzag,allgather (default: all the target supports)")
+    p.add_argument("--max-shrinks", type=int, default=300, metavar="N",
+                   help="scenarios run while shrinking a failure, at most (default: 300)")
+
+
 def _scenario_options(p: argparse.ArgumentParser) -> None:
     """What to check (run, invariance): a suite or a scenario file, maybe narrowed by name."""
     p.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")
@@ -199,9 +196,10 @@ def _use_target_config(args: argparse.Namespace) -> None:
             checked = importlib.import_module(f"shardcheck.targets.{module}")
             os.environ[checked.ENV] = str(checked.source(getattr(args, option)))
     src = getattr(args, "target_src", None)
-    if src is not None and not os.path.isdir(src):
-        raise BadInput(f"--target-src {src!r} is not a directory")
-    config = TargetConfig(os.path.abspath(src) if src else None, tuple(getattr(args, "target_opt", None) or ()))
+    try:
+        config = TargetConfig.given(src, tuple(getattr(args, "target_opt", None) or ()))
+    except ValueError as exc:
+        raise BadInput(f"--target-src {exc}") from None
     for key in (SRC_ENV, OPTS_ENV):  # the command line decides, not a value left in the shell
         os.environ.pop(key, None)
     os.environ.update(config.to_environment())
@@ -219,10 +217,12 @@ def _target_args(args: argparse.Namespace) -> list[str]:
 
 
 def _key_value(text: str) -> tuple[str, str]:
-    key, eq, value = text.partition("=")
-    if not eq or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value
+    from shardcheck.targets.base import parse_option
+
+    try:
+        return parse_option(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -431,8 +431,7 @@ def _writable(path: str) -> None:
 
 def _fuzz(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller import fuzz
-    from shardcheck.harness.controller.fuzz_report import Progress, header, replay_command, summary
-    from shardcheck.scenarios import write_scenario_file
+    from shardcheck.harness.controller.fuzz_report import Progress, header, summary, write_minimal
 
     _check_world_options(args)
     _use_target_config(args)
@@ -462,15 +461,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         print(f"shardcheck: {how} after {progress.runs} scenarios{found}", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     progress.close()
-    minimal = result.minimal_scenario()
-    written = replay = None
-    if minimal is not None:
-        try:
-            write_scenario_file(out, minimal)
-        except OSError as exc:
-            raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
-        written = out
-        replay = replay_command(args.target, out, _target_args(args))
+    minimal, written, replay = write_minimal(result, out, "run", _target_args(args))
     if args.html_report:
         from shardcheck.harness.controller.html_report import fuzz_page, write
 

@@ -166,18 +166,18 @@ def _use_target_config(src: str | None, pairs: list[str]) -> None:
     """As ``shardcheck run --target-src/--target-opt``: into the environment, where the world's
     ranks read it with each scenario."""
     from shardcheck.errors import BadInput
-    from shardcheck.targets.base import TargetConfig
+    from shardcheck.targets.base import TargetConfig, parse_option
 
-    options = []
-    for text in pairs:
-        key, eq, value = text.partition("=")
-        if not eq or not key.strip():
-            raise BadInput(f"--shardcheck-target-opt: expected KEY=VALUE, got {text!r}")
-        options.append((key.strip(), value))
-    if src is not None and not os.path.isdir(src):
-        raise BadInput(f"--shardcheck-target-src {src!r} is not a directory")
-    if src is not None or options:
-        os.environ.update(TargetConfig(os.path.abspath(src) if src else None, tuple(options)).to_environment())
+    try:
+        options = tuple(parse_option(text) for text in pairs)
+    except ValueError as exc:
+        raise BadInput(f"--shardcheck-target-opt: {exc}") from None
+    try:
+        config = TargetConfig.given(src, options)
+    except ValueError as exc:
+        raise BadInput(f"--shardcheck-target-src {exc}") from None
+    if config.src is not None or config.options:
+        os.environ.update(config.to_environment())
 
 
 @pytest.fixture(scope="session")

@@ -68,6 +68,16 @@ class TargetConfig:
     src: str | None = None
     options: tuple[tuple[str, str], ...] = ()
 
+    @classmethod
+    def given(cls, src: str | None, options: tuple[tuple[str, str], ...] = ()) -> "TargetConfig":
+        """From what a user gave: ``src`` a folder (made absolute; ValueError naming it when it is
+        not one), ``options`` (KEY, VALUE) pairs (:func:`parse_option`)."""
+        import os
+
+        if src is not None and not os.path.isdir(src):
+            raise ValueError(f"{src!r} is not a directory")
+        return cls(os.path.abspath(src) if src else None, tuple(options))
+
     def get(self, key: str, default: str | None = None) -> str | None:
         return dict(self.options).get(key, default)
 
@@ -102,6 +112,14 @@ class TargetConfig:
         except (ValueError, TypeError):
             raise ValueError(f"{OPTS_ENV} is not a JSON list of [key, value] pairs: {raw!r}") from None
         return cls(environ.get(SRC_ENV) or None, pairs)
+
+
+def parse_option(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` -> (KEY, VALUE); ValueError for anything else."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
 
 
 SRC_ENV = "SHARDCHECK_TARGET_SRC"

@@ -70,6 +70,7 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
+from shardcheck.targets.stub import Stub
 
 ENV = "SHARDCHECK_NEMO_RL_SRC"
 MODEL_UTILS = Path("nemo_rl/distributed/model_utils.py")
@@ -156,25 +157,6 @@ def _enclosing(tree: ast.Module, node: ast.AST) -> str:
     return "<module>"
 
 
-class _Stub(types.ModuleType):
-    """A module model_utils imports but the functions checked do not use."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.__path__: list[str] = []
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Stub(f"{self.__name__}.{attr}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _Stub(f"{self.__name__}()")
-
-    def __mro_entries__(self, bases: tuple) -> tuple:
-        return (object,)
-
-
 class _Packages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """``nemo_rl`` and its sub-packages from the checkout, as packages whose ``__init__.py`` is not
     run; their modules are the checkout's files, loaded as they are."""
@@ -235,7 +217,7 @@ def import_model_utils(src: Path, undo: list | None = None) -> tuple[types.Modul
                 raise BadInput(f"NeMo-RL at {src} cannot be imported: {exc}") from None
             for name in [m for m in sys.modules if ours(m)]:
                 del sys.modules[name]
-            sys.modules[missing] = _Stub(missing)
+            sys.modules[missing] = Stub(missing)
             stubs.append(missing)
         except Exception as exc:  # a broken commit: reported as such
             raise BadInput(f"NeMo-RL at {src} cannot be imported: {type(exc).__name__}: {exc}") from None

@@ -40,6 +40,7 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
 from shardcheck.targets.passthrough import Recorder
+from shardcheck.targets.stub import Stub
 
 ENV = "SHARDCHECK_SLIME_SRC"
 LOSS_MODULE = "slime.backends.megatron_utils.loss"
@@ -92,34 +93,6 @@ def detect_era(src: Path) -> dict[str, Any]:
     }
 
 
-class _Stub(types.ModuleType):
-    """A module slime imports but does not use on the log-prob path. Anything taken from it is
-    another stub; calling one yields a stub, so import-time decorators and annotations work."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.__path__: list[str] = []
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Stub(f"{self.__name__}.{attr}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _Stub(f"{self.__name__}()")
-
-    def __mro_entries__(self, bases: tuple) -> tuple:
-        return (object,)
-
-    def __or__(self, other: Any) -> Any:
-        return self
-
-    __ror__ = __or__
-
-    def __getitem__(self, item: Any) -> Any:
-        return self
-
-
 def import_slime(src: Path, undo: list | None = None) -> tuple[types.ModuleType, list[str]]:
     """Import slime's loss module from ``src``; stub missing modules it does not need here.
 
@@ -153,7 +126,7 @@ def import_slime(src: Path, undo: list | None = None) -> tuple[types.ModuleType,
                 raise BadInput(f"slime at {src} cannot be imported: {exc}") from None
             for name in [m for m in sys.modules if m == "slime" or m.startswith("slime.")]:
                 del sys.modules[name]
-            sys.modules[missing] = _Stub(missing)
+            sys.modules[missing] = Stub(missing)
             stubs.append(missing)
         except Exception as exc:  # a broken commit: reported as such (bisect skips it)
             raise BadInput(f"slime at {src} cannot be imported: {type(exc).__name__}: {exc}") from None

@@ -66,8 +66,9 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
 from shardcheck.scenarios.scenario import Scenario
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
+from shardcheck.targets.stub import Stub
 
 ENV = "SHARDCHECK_VERL_SRC"
 TP_FILE = Path("verl/utils/megatron/tensor_parallel.py")
@@ -222,34 +223,6 @@ def detect_era(src: Path) -> dict[str, Any]:
 # import: verl's files without verl's package __init__ files, stubs only for missing modules
 
 
-class _Stub(types.ModuleType):
-    """A module verl's files import but do not use on this path. Anything taken from it is
-    another stub; calling one yields a stub, so import-time decorators and annotations work."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.__path__: list[str] = []
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Stub(f"{self.__name__}.{attr}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _Stub(f"{self.__name__}()")
-
-    def __mro_entries__(self, bases: tuple) -> tuple:
-        return (object,)
-
-    def __or__(self, other: Any) -> Any:
-        return self
-
-    __ror__ = __or__
-
-    def __getitem__(self, item: Any) -> Any:
-        return self
-
-
 class _Packages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """The verl packages that hold the modules imported (``verl``, ``verl.utils``, ...) as empty
     packages: their ``__init__.py`` (``verl/__init__.py`` imports ray, ``verl/utils/__init__.py``
@@ -327,7 +300,7 @@ def import_verl(src: Path, modules: list[str], undo: list) -> tuple[dict[str, ty
                     del sys.modules[m]
                 parts = missing.split(".")
                 for i in range(1, len(parts) + 1):
-                    sys.modules.setdefault(".".join(parts[:i]), _Stub(".".join(parts[:i])))
+                    sys.modules.setdefault(".".join(parts[:i]), Stub(".".join(parts[:i])))
                 stubs.append(missing)
             except BadInput:
                 raise

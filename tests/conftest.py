@@ -27,6 +27,16 @@ def run_cli(*args: str, timeout: float = 600, cwd: str | None = None) -> subproc
                           timeout=timeout, env=env, cwd=cwd)
 
 
+def export_commit(repo: str, rev: str, dest: Path, *paths: str) -> str:
+    """``rev`` of a framework's git repository as a plain folder (``git archive``, only
+    ``paths`` when given): the repository is only read."""
+    blob = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev, *paths], capture_output=True,
+                          check=True).stdout
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=blob, check=True)
+    return str(dest)
+
+
 def _stat(pid: int) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()  # state, parent pid, ...

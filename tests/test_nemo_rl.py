@@ -5,13 +5,12 @@ the historical fix needs SHARDCHECK_NEMO_RL_REPO (a clone with its history)."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import export_commit, run_cli
 from shardcheck.errors import BadInput
 from shardcheck.scenarios import suites
 from shardcheck.targets import nemo_rl
@@ -302,13 +301,6 @@ FIX = "df31c1bf4"  # "chunked logprob calculation with deferred fp32 cast": Dist
 PARENT = "83c6bfc97"
 
 
-def _export(repo: str, rev: str, dest) -> str:
-    blob = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev, "nemo_rl"], capture_output=True,
-                          check=True).stdout
-    dest.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=blob, check=True)
-    return str(dest)
-
 
 @needs_history
 @pytest.mark.world
@@ -318,9 +310,10 @@ def test_the_half_precision_gradient_fixed_at_df31c1bf4(tmp_path):
     passed its output uncast), its gradient is off by ~2.5%. df31c1bf4 casts to float32 inside."""
     scenario = ["--suite", "regressions", "--scenario", "thd-tp2-bf16-wide"]
     parent, verdicts, _ = _run(tmp_path, "nemo_rl", "--nemo-rl-src",
-                               _export(os.environ[REPO_ENV], PARENT, tmp_path / "parent"), *scenario)
+                               export_commit(os.environ[REPO_ENV], PARENT, tmp_path / "parent", "nemo_rl"), *scenario)
     assert parent.returncode == 1, parent.stdout[-2000:] + parent.stderr[-2000:]
     assert verdicts["thd-tp2-bf16-wide"]["kinds"] == ["grad_mismatch"], verdicts
-    fixed, verdicts, _ = _run(tmp_path, "nemo_rl", "--nemo-rl-src", _export(os.environ[REPO_ENV], FIX, tmp_path / "fix"),
+    fixed, verdicts, _ = _run(tmp_path, "nemo_rl", "--nemo-rl-src",
+                              export_commit(os.environ[REPO_ENV], FIX, tmp_path / "fix", "nemo_rl"),
                               *scenario)
     assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_cli
+from conftest import export_commit, run_cli
 from shardcheck.errors import BadInput
 from shardcheck.targets.slime import ENV, detect_era, slime_source
 
@@ -132,14 +132,6 @@ needs_slime_history = pytest.mark.skipif(
 PR_2153 = "fa3c990af"  # "bugfix": moves the with_entropy_grad decision out of policy_loss_function
 
 
-def _archive(repo: str, rev: str, dest) -> str:
-    import subprocess
-
-    blob = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev], capture_output=True, check=True).stdout
-    dest.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=blob, check=True)
-    return str(dest)
-
 
 @needs_slime_history
 @pytest.mark.world
@@ -147,7 +139,7 @@ def test_a_bug_at_one_call_site_shows_only_through_the_caller(tmp_path):
     """The gradient decision at one call site: before PR #2153, policy_loss_function passed
     with_entropy_grad to a get_log_probs_and_entropy that no longer took it. Calling the function directly passes; the
     policy loss target names the caller's line."""
-    src = _archive(os.environ[REPO_ENV], f"{PR_2153}~1", tmp_path / "slime")
+    src = export_commit(os.environ[REPO_ENV], f"{PR_2153}~1", tmp_path / "slime")
     scenario = ["--suite", "regressions", "--scenario", "thd-tp2-chunks", "--slime-src", src]
     direct = run_cli("run", "--target", "slime", *scenario)
     assert direct.returncode == 0, direct.stdout[-2000:]

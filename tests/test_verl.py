@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from conftest import run_cli, run_on_world
+from conftest import export_commit, run_cli, run_on_world
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Sample, Scenario
 from shardcheck.scenarios.suites import get_suite
@@ -413,13 +413,6 @@ def _repo_with(commit: str) -> str | None:
     return None
 
 
-def _archive(repo: str, rev: str, dest) -> str:
-    blob = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev, "verl"], capture_output=True,
-                          check=True).stdout
-    dest.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=blob, check=True)
-    return str(dest)
-
 
 @pytest.mark.world
 @pytest.mark.skipif(not _repo_with(PR_4250), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
@@ -433,9 +426,11 @@ def test_labels_rolled_across_cp_chunks_fail_before_4250_and_pass_after(tmp_path
     scenarios = tmp_path / "clean.json"
     scenarios.write_text(json.dumps(CLEAN[:2]))
     args = ["run", "--target", "verl:actor", "--target-opt", "call_site=engine", "--scenario-file", str(scenarios)]
-    before = run_cli(*args, "--verl-src", _archive(repo, f"{PR_4250}~1", tmp_path / "before"), cwd=str(tmp_path))
+    parent = export_commit(repo, f"{PR_4250}~1", tmp_path / "before", "verl")
+    before = run_cli(*args, "--verl-src", parent, cwd=str(tmp_path))
     assert before.returncode == 1, before.stdout[-3000:] + before.stderr[-2000:]
     assert "value_mismatch" in before.stdout and "log_probs sample 0 token 4" in before.stdout
     assert "grad_mismatch" in before.stdout and "input_mutated" not in before.stdout
-    after = run_cli(*args, "--verl-src", _archive(repo, PR_4250, tmp_path / "after"), cwd=str(tmp_path))
+    after = run_cli(*args, "--verl-src", export_commit(repo, PR_4250, tmp_path / "after", "verl"),
+                    cwd=str(tmp_path))
     assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-2000:]

@@ -46,10 +46,28 @@ def header(target: str, seed: int, nproc: int, pairs: list[tuple[int, int]], lay
             f"layouts {','.join(layouts)}")
 
 
-def replay_command(target: str, path: str, target_args: Sequence[str] = ()) -> str:
+def replay_command(target: str, path: str, target_args: Sequence[str] = (), command: str = "run") -> str:
     """The command that runs the written scenario again, with the target's own options
     (``target_args``: its sources and ``--target-opt``s, as given)."""
-    return shlex.join(["shardcheck", "run", "--target", target, "--scenario-file", path, *target_args])
+    return shlex.join(["shardcheck", command, "--target", target, "--scenario-file", path, *target_args])
+
+
+def write_minimal(result: FuzzResult, out: str, command: str, target_args: Sequence[str] = ()
+                  ) -> tuple[Scenario | None, str | None, str | None]:
+    """The search's minimal failing scenario written to ``out``: (the scenario, where it went, the
+    ``shardcheck COMMAND`` that runs it again), all None when nothing failed."""
+    from shardcheck.errors import BadInput
+    from shardcheck.scenarios import write_scenario_file
+
+    minimal = result.minimal_scenario()
+    if minimal is None:
+        return None, None, None
+    try:
+        write_scenario_file(out, minimal)
+    except OSError as exc:
+        raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
+    replay = replay_command(result.target, out, target_args, command)
+    return minimal, out, replay
 
 
 def summary(result: FuzzResult, written: str | None, replay: str | None, minimal: Scenario | None) -> str:

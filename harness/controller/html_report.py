@@ -377,6 +377,14 @@ def check_writable(path: str) -> None:
         raise BadInput(f"cannot write the HTML report {path!r}: its folder does not exist or is not writable")
 
 
+def write_verdicts(path: str, doc: dict[str, Any], verdicts: list[Any], order: Any) -> None:
+    """The page for ``doc`` (a report's run info) with ``verdicts`` as its scenarios, sorted by
+    ``order`` (suite order), in the JSON report's form."""
+    from shardcheck.harness.controller.report import entry
+
+    write(path, render({**doc, "scenarios": [entry(v) for v in sorted(verdicts, key=order)]}))
+
+
 class HtmlReport:
     """A reporter that rewrites the page after every scenario, from the same document the JSON
     report writes (the JSON reporter it follows)."""
@@ -386,12 +394,7 @@ class HtmlReport:
         self.path, self.json_report = path, json_report
 
     def _write(self) -> None:
-        from shardcheck.harness.controller.report import entry
-
-        source = getattr(self, "json_report", self)
-        doc = dict(source.doc)
-        doc["scenarios"] = [entry(v) for v in sorted(source.verdicts, key=source.order_of)]
-        write(self.path, render(doc))
+        write_verdicts(self.path, self.json_report.doc, self.json_report.verdicts, self.json_report.order_of)
 
     def start(self, info: Any, scenarios: list) -> None:
         self._write()
@@ -429,9 +432,6 @@ class SessionHtmlReport:
         self.doc: dict[str, Any] = {"suite": "pytest session", "complete": False}
         self.verdicts: list[Any] = []
 
-    def order_of(self, verdict: Any) -> int:
-        return 0  # a stable sort keeps them in the order they came
-
     def start(self, info: Any, scenarios: list) -> None:
         self.doc.update(info.to_dict())
 
@@ -450,4 +450,4 @@ class SessionHtmlReport:
     def _write(self) -> None:
         statuses = [v.status for v in self.verdicts]
         self.doc["summary"] = {k: statuses.count(k) for k in ("pass", "fail", "skip")} | {"total": len(statuses)}
-        HtmlReport._write(self)  # type: ignore[arg-type]  (this object has what it reads: doc, verdicts, order_of)
+        write_verdicts(self.path, self.doc, self.verdicts, lambda v: 0)  # in the order they came

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from shardcheck.harness.controller.verdict import (
     merge,
 )
 from shardcheck.harness.controller.world import World
+from shardcheck.harness import wire
 from shardcheck.harness.wire import RANK_ERROR, Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
@@ -50,7 +50,7 @@ def controller_target(spec: str) -> Target:
     slime checkout, its commit) changes what a spec names, so it is part of the key. For slime
     resolving is a ``git rev-parse`` and a parse of its source: a fuzz search or a pytest
     session must not pay it per scenario."""
-    key = (spec, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SHARDCHECK_"))))
+    key = (spec, tuple(sorted(wire.target_settings().items())))
     if key not in _RESOLVED:
         _RESOLVED[key] = resolve(spec)
     return _RESOLVED[key]

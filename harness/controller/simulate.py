@@ -41,13 +41,13 @@ def main(args: argparse.Namespace, scenarios: list[Scenario] | None, target_args
 
 
 def _search(args: argparse.Namespace, target_args: list[str]) -> int:
-    from shardcheck.harness.controller.fuzz_report import Progress, replay_command, summary
-    from shardcheck.scenarios import write_scenario_file
+    from shardcheck.harness.controller.fuzz_report import Progress, summary, write_minimal
+    from shardcheck.scenarios.scenario import LAYOUTS
     from shardcheck.scenarios.strategies import layout_fits
 
     tp, cp = args.tp or DEFAULT_TP, args.cp or DEFAULT_CP
     layouts = args.layout or None
-    names = layouts or ["thd", "bshd", "zigzag", "allgather"]
+    names = layouts or LAYOUTS
     sizes = sorted({t * c for t in tp for c in cp if any(layout_fits(n, c) for n in names)})
     check_sizes(sizes, args.max_world, f"--tp {','.join(map(str, tp))} --cp {','.join(map(str, cp))}")
     out = args.out or DEFAULT_OUT
@@ -60,15 +60,8 @@ def _search(args: argparse.Namespace, target_args: list[str]) -> int:
                                on_start=lambda plan: _header(plan, args.quiet))
         finally:
             progress.close()
-    minimal = result.minimal_scenario()
-    written = replay = None
-    if minimal is not None:
-        try:
-            write_scenario_file(out, minimal)
-        except OSError as exc:
-            raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
-        written, replay = out, replay_command(args.target, out, target_args)
-    print(summary(result, written, replay, minimal).replace("shardcheck run", "shardcheck simulate"))
+    minimal, written, replay = write_minimal(result, out, "simulate", target_args)
+    print(summary(result, written, replay, minimal))
     print(NOTE)
     if minimal is not None and not args.no_replay:
         print(replay_on_real_world(minimal, args.target, result.failure.kinds, args.timeout))

@@ -183,7 +183,9 @@ class RankRunner:
         controller handed over: a checkout, ``--target-opt``s), resolved once. Moving to another
         target first undoes what the previous one set process-wide (``release()``: slime's stubs,
         its env and sys.path), so the next target runs in the process it would have had alone."""
-        key = (spec, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SHARDCHECK_"))))
+        from shardcheck.harness import wire
+
+        key = (spec, tuple(sorted(wire.target_settings().items())))
         if self._current not in (None, key):
             previous = self._targets.get(self._current)
             if previous is not None and hasattr(previous, "release"):
