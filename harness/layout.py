@@ -48,6 +48,9 @@ class RankLayout:
     shape: tuple[int, int, int]
     columns: tuple[int, int]
     share: tuple[tuple[int, ...], ...]  # per sample: response token indices returned, in order
+    # who laid the rows out: "shardcheck" (this module's arithmetic) or the framework's function
+    # whose output the position trace decoded (shardcheck.harness.traced_layout)
+    built_by: str = "shardcheck"
 
     @property
     def num_rows(self) -> int:

@@ -100,7 +100,11 @@ RANK_ERROR = "rank_error"
 COLLECTIVE_MISMATCH = "collective_mismatch"
 INPUT_MUTATED = "input_mutated"
 INVARIANCE_VIOLATION = "invariance_violation"
-KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION)
+# the framework's data path lost a (sample, position), held one twice, gave a CP rank's TP ranks
+# different rows, or laid the real tokens out differently from their positions
+LAYOUT_MISMATCH = "layout_mismatch"
+KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION,
+         LAYOUT_MISMATCH)
 
 @dataclass
 class Failure:
@@ -158,6 +162,9 @@ class RankResult:
     calls: int = 0  # collectives traced
     trace: list[dict[str, Any]] = _field(default_factory=list)  # call records (a failure's, or all)
     outputs: dict[str, Any] | None = None  # the target's outputs, when asked for (invariance)
+    # the rows the framework's data path built on this rank (rank/data_path.layout_payload); None
+    # when the harness laid them out
+    layout: dict[str, Any] | None = None
     received_at: float | None = None  # set by the controller on arrival
 
     @classmethod

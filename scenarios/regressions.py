@@ -37,6 +37,10 @@ def regressions() -> list[Scenario]:
                  with_entropy=False, seed=5,
                  description="bfloat16 logits, a wide vocabulary: a log-softmax (or the softmax saved for "
                  "backward) computed in half precision misses the gradient by a few percent"),
+        Scenario("ag-cp2-padding-rank", (Sample(100, 50),), vocab=32, cp=2, layout="allgather", entropy_coef=0.0,
+                 seed=208, description="all-gather CP, one sample: with slime's padding (the packed stream to "
+                 "cp * tp * 128) CP rank 1 holds only padding, with shardcheck's (cp * tp) both ranks hold "
+                 "response rows (a rank of padding skipping a backward collective: slime 6ad61127e, 92682315a)"),
         Scenario("thd-one-device-edges", (Sample(23, 9), Sample(2, 1), Sample(9, 8)), vocab=37, entropy_coef=0.1,
                  log_probs_chunk_size=4, temperature=0.7, seed=207,
                  description="one device, packed: prompt 1, response 1, a chunk that does not divide the rows, "

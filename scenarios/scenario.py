@@ -64,6 +64,10 @@ class Scenario:
     # replayed sets given as they are (with replay_keep), e.g. a real rollout's: per sample, per
     # response token, the kept ids or null (none recorded; only at the end, as slime's offsets)
     keep_sets: tuple[tuple[tuple[int, ...] | None, ...], ...] | None = None
+    # knobs of the framework's own data path that change its layout (slime's pad_multiplier, ...),
+    # as (name, value) pairs sorted by name; JSON: an object. Empty: the framework's defaults. A
+    # target whose data path has no such knob skips the scenario with the reason.
+    layout_knobs: tuple[tuple[str, Any], ...] = ()
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +75,7 @@ class Scenario:
         object.__setattr__(self, "samples", tuple(_as_sample(s, self.name) for s in self.samples))
         if self.keep_sets is not None:
             object.__setattr__(self, "keep_sets", _as_keep_sets(self.keep_sets, self.name))
+        object.__setattr__(self, "layout_knobs", _as_knobs(self.layout_knobs, self.name))
         validate(self)
 
     # JSON -----------------------------------------------------------------------------------
@@ -78,11 +83,14 @@ class Scenario:
         d = dataclasses.asdict(self)
         d["samples"] = [[s.total, s.response] + ([s.data_id] if s.data_id not in (None, i) else [])
                          for i, s in enumerate(self.samples)]
-        for name, off in (("top_k", 0), ("top_p", 1.0), ("keep_sets", None)):  # written when on: older keys hold
+        for name, off in (("top_k", 0), ("top_p", 1.0), ("keep_sets", None), ("layout_knobs", ())):
+            # written when on: older keys hold
             if d[name] == off:
                 del d[name]
         if self.keep_sets is not None:
             d["keep_sets"] = [[None if k is None else list(k) for k in sets] for sets in self.keep_sets]
+        if self.layout_knobs:
+            d["layout_knobs"] = dict(self.layout_knobs)
         return d
 
     @classmethod
@@ -133,7 +141,8 @@ class Scenario:
     def summary(self) -> str:
         lengths = ",".join(f"{s.total}/{s.response}" for s in self.samples[:4])
         more = f",+{len(self.samples) - 4}" if len(self.samples) > 4 else ""
-        return f"{self.layout} tp={self.tp} cp={self.cp} V={self.vocab} [{lengths}{more}]"
+        knobs = "".join(f" {k}={v}" for k, v in self.layout_knobs)
+        return f"{self.layout} tp={self.tp} cp={self.cp} V={self.vocab} [{lengths}{more}]{knobs}"
 
 
 def _as_sample(value: Any, name: str) -> Sample:
@@ -166,6 +175,25 @@ def _as_keep_sets(value: Any, name: str) -> tuple:
             row.append(None if k is None else tuple(k))
         out.append(tuple(row))
     return tuple(out)
+
+
+def _as_knobs(value: Any, name: str) -> tuple[tuple[str, Any], ...]:
+    """An object of knob -> scalar (what JSON gives) or pairs, as sorted pairs (hashable)."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise BadInput(f"scenario {name!r}: layout_knobs must be an object of knob: value, got {value!r:.80}")
+    for key, v in pairs:
+        if not isinstance(key, str) or not key:
+            raise BadInput(f"scenario {name!r}: layout_knobs: a knob name must be a non-empty string, got {key!r}")
+        if not isinstance(v, (bool, int, float, str)):
+            raise BadInput(f"scenario {name!r}: layout_knobs: {key} must be a number, true/false or a string, "
+                           f"got {v!r:.40}")
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise BadInput(f"scenario {name!r}: layout_knobs names a knob twice")
+    return tuple(sorted(pairs))
 
 
 def data_id(scenario: Scenario, index: int) -> int:

@@ -164,6 +164,99 @@ class PolicyBatch:
 
 
 @dataclass
+class Rollout:
+    """The rollout-level batch a framework's data path receives, before it packs, pads, splits
+    across CP ranks or rolls labels: per sample its full token ids (int64 ``[total]``), lengths
+    and loss mask (int32 ``[response]``), the layout mode and the layout knobs (the framework's
+    defaults with the scenario's ``layout_knobs`` over them)."""
+
+    tokens: list[torch.Tensor]
+    total_lengths: list[int]
+    response_lengths: list[int]
+    loss_masks: list[torch.Tensor]
+    layout: str
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def allgather_cp(self) -> bool:
+        return self.layout == "allgather"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A knob of a framework's data path that changes its layout: its default (the framework's)
+    and what a value must be (``check`` returns why a value is wrong, or None)."""
+
+    default: Any
+    help: str
+    check: Any = None  # Callable[[Any], str | None]
+
+    def problem(self, value: Any) -> str | None:
+        return self.check(value) if self.check is not None else None
+
+
+def positive_int(value: Any) -> str | None:
+    """A Knob check: an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"must be an integer >= 1, got {value!r}"
+    return None
+
+
+@runtime_checkable
+class DataPath(Protocol):
+    """A framework's own code from the rollout batch to what one rank's model receives.
+
+    ``name`` says what runs (``file.py:function``). ``builds(scenario)``: whether it lays out
+    this scenario (None) or why not (the harness then lays it out itself, and says so).
+    ``local_tokens(rollout)``: this rank's token ids as the framework's model would receive
+    them (``[1, T]`` packed or ``[B, M]`` padded; 0 where it pads), built by the framework's own
+    code with the process groups the harness set up. The harness calls it with a
+    position-encoded rollout to learn the layout (:mod:`shardcheck.harness.traced_layout`) and
+    with the real one to see that the framework laid the real tokens out the same way.
+    """
+
+    name: str
+
+    def knobs(self) -> dict[str, Knob]: ...
+
+    def builds(self, scenario: Scenario) -> str | None: ...
+
+    def local_tokens(self, rollout: Rollout) -> torch.Tensor: ...
+
+
+def data_path(target: Any) -> DataPath | None:
+    """The target's own data path, if it has one."""
+    return getattr(target, "data_path", None)
+
+
+def knob_skip_reason(target: Any, scenario: Scenario) -> str | None:
+    """Why ``target`` cannot run ``scenario``'s layout knobs (it has no such knob: a skip), or
+    None; BadInput (one line, exit 2) for a value the knob does not take."""
+    from shardcheck.errors import BadInput
+
+    if not scenario.layout_knobs:
+        return None
+    path = data_path(target)
+    if path is None:
+        return (f"target {getattr(target, 'name', '?')} lays out no rows with a framework's code: it has no "
+                f"layout knob {scenario.layout_knobs[0][0]}")
+    knobs = path.knobs()
+    for key, value in scenario.layout_knobs:
+        if key not in knobs:
+            return (f"{path.name} has no layout knob {key} at this commit "
+                    f"(knobs: {', '.join(sorted(knobs)) or 'none'})")
+        problem = knobs[key].problem(value)
+        if problem is not None:
+            raise BadInput(f"scenario {scenario.name!r}: layout knob {key} {problem}")
+    return path.builds(scenario)
+
+
+def resolved_knobs(path: DataPath, scenario: Scenario) -> dict[str, Any]:
+    """The data path's defaults with the scenario's knobs over them."""
+    return {k: knob.default for k, knob in path.knobs().items()} | dict(scenario.layout_knobs)
+
+
+@dataclass
 class RankInputs:
     """What one rank hands the implementation.
 
@@ -199,6 +292,9 @@ class RankInputs:
     # tokens a top-k then top-p filter of the temperature-scaled logits keeps; 0 and 1.0: off
     top_k: int = 0
     top_p: float = 1.0
+    # the rollout batch, for a target with its own data path (``data_path``): it runs its
+    # framework's code on it (the logits above are laid out as that code lays out the rows)
+    rollout: Rollout | None = None
 
     def row_labels(self) -> torch.Tensor:
         """The next token each local logit row predicts, rows flattened (``logits.view(-1, V/tp)``;

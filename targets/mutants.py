@@ -290,10 +290,19 @@ MUTANTS: dict[str, type[Mutant]] = {
 }
 
 
+TRACED = "traced"
+
+
 def builtin(variant: str | None = None) -> BuiltinTarget:
     """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
     if variant is None:
         return BuiltinTarget()
+    if variant == TRACED:
+        from shardcheck.targets.own_layout import traced
+
+        target = traced(BuiltinTarget())
+        target.name = f"builtin:{TRACED}"
+        return target
     if variant not in MUTANTS:
         raise ValueError(f"builtin has no variant {variant!r}")
     target = MUTANTS[variant]()
@@ -301,4 +310,6 @@ def builtin(variant: str | None = None) -> BuiltinTarget:
     return target
 
 
-builtin.variants = {name: " ".join((cls.__doc__ or "").split()) for name, cls in MUTANTS.items()}  # type: ignore[attr-defined]
+builtin.variants = {name: " ".join((cls.__doc__ or "").split()) for name, cls in MUTANTS.items()} | {  # type: ignore[attr-defined]
+    TRACED: "builtin, its rows laid out by shardcheck's own layout run as a framework's data path and learned "
+            "through the position trace (proves the trace: must pass wherever builtin does)"}  # type: ignore[attr-defined]

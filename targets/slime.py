@@ -28,6 +28,7 @@ imported module, never on slime's files).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import os
@@ -38,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, Rollout, TargetConfig, source_commit
 from shardcheck.targets.passthrough import Recorder
+from shardcheck.targets.slime_data import SlimeDataPath, cpu_accelerator, read_get_batch
 from shardcheck.targets.stub import Stub
 
 ENV = "SHARDCHECK_SLIME_SRC"
@@ -93,8 +95,9 @@ def detect_era(src: Path) -> dict[str, Any]:
     }
 
 
-def import_slime(src: Path, undo: list | None = None) -> tuple[types.ModuleType, list[str]]:
-    """Import slime's loss module from ``src``; stub missing modules it does not need here.
+def import_slime(src: Path, undo: list | None = None, module: str = LOSS_MODULE) -> tuple[types.ModuleType, list[str]]:
+    """Import one of slime's modules (its loss module by default) from ``src``; stub missing
+    modules it does not need here.
 
     Everything this sets process-wide is put back by the callables appended to ``undo`` (run
     in reverse order): the environment, torch's dynamo switch, sys.path, and the modules added.
@@ -119,7 +122,7 @@ def import_slime(src: Path, undo: list | None = None) -> tuple[types.ModuleType,
     stubs: list[str] = []
     for _ in range(len(STUBBABLE) + 1):
         try:
-            return importlib.import_module(LOSS_MODULE), stubs
+            return importlib.import_module(module), stubs
         except ModuleNotFoundError as exc:
             missing = (exc.name or "").split(".")[0]
             if missing not in STUBBABLE or missing in stubs:
@@ -147,7 +150,7 @@ class SlimeTarget:
 
     name = "slime"
 
-    def __init__(self, src: str | None = None) -> None:
+    def __init__(self, src: str | None = None, layout: str = "framework") -> None:
         self.src = slime_source(src)
         self.era = detect_era(self.src)
         self.commit = os.environ.get("SHARDCHECK_SLIME_COMMIT") or source_commit(self.src)
@@ -167,16 +170,33 @@ class SlimeTarget:
         self._undo: list[Any] = []
         self.stubs: list[str] = []
         self.missing_args: set[str] = set()
+        self.device_notes: list[str] = []
+        # slime's get_batch lays the rows out (the default), or shardcheck does (layout=shardcheck)
+        found = read_get_batch(self.src) if layout == "framework" else None
+        self.data_path = SlimeDataPath(self, found) if found is not None else None
+        self.layout_option = layout
 
     def passes_keep_sets(self) -> bool:
         """Whether this entry point hands get_log_probs_and_entropy the replayed keep sets."""
         return True
+
+    def import_module(self, name: str) -> types.ModuleType:
+        """One of slime's modules from the checkout (stubs and settings undone by release())."""
+        module, stubs = import_slime(self.src, self._undo, name)
+        self.stubs = sorted(set(self.stubs) | set(stubs))
+        if not self.device_notes:
+            note = cpu_accelerator(self.src, lambda n: import_slime(self.src, self._undo, n)[0])
+            self.device_notes = [note] if note else ["none"]
+        return module
 
     def release(self) -> None:
         """Undo what importing slime set in this process (the rank moves to another target)."""
         while self._undo:
             self._undo.pop()()
         self._fn = None
+        self.device_notes = []
+        if self.data_path is not None:
+            self.data_path = SlimeDataPath(self, self.data_path.found)
         self.__dict__.pop("_policy_fns", None)  # slime:policy_loss's functions, imported with it
 
     def describe(self) -> dict[str, Any]:
@@ -184,11 +204,15 @@ class SlimeTarget:
         version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
         return {"name": self.name, "version": version, "commit": self.commit,
                 "src": str(self.src), "era": self.era, "stubbed_modules": self.stubs,
-                "args_read_but_not_set": sorted(self.missing_args)}
+                "args_read_but_not_set": sorted(self.missing_args),
+                "data_path": self.data_path.name if self.data_path is not None else
+                f"shardcheck's layout ({'layout=shardcheck' if self.layout_option != 'framework' else 'no get_batch'})",
+                "cpu_world": [n for n in self.device_notes if n != "none"] +
+                (self.data_path.shims if self.data_path is not None else [])}
 
     def _function(self) -> Any:
         if self._fn is None:
-            module, self.stubs = import_slime(self.src, self._undo)
+            module = self.import_module(LOSS_MODULE)
             self._fn = module.get_log_probs_and_entropy
             self._params = set(inspect.signature(self._fn).parameters)
         return self._fn
@@ -217,6 +241,10 @@ class SlimeTarget:
             "response_lengths": inputs.response_lengths,
             "with_entropy": inputs.with_entropy,
         }
+        if inputs.rollout is not None:  # what slime's forward step hands on from get_batch's batch
+            batch = self.data_path.batch(_rollout_on(inputs.rollout, inputs.logits.device))
+            kwargs.update(unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+                          response_lengths=batch["response_lengths"])
         if "max_seq_lens" in self._params:
             kwargs["max_seq_lens"] = inputs.max_seq_lens
         if inputs.keep_sets is not None:  # slime's replay format: ids and offsets per sample
@@ -230,6 +258,11 @@ class SlimeTarget:
             result = result[-1]
         self.missing_args |= args.__dict__.get("_missing", set())
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
+
+
+def _rollout_on(rollout: Rollout, device: Any) -> Rollout:
+    return dataclasses.replace(rollout, tokens=[t.to(device) for t in rollout.tokens],
+                               loss_masks=[m.to(device) for m in rollout.loss_masks])
 
 
 # args policy_loss_function reads at one commit or another, set so that the loss is the
@@ -268,7 +301,7 @@ class SlimePolicyLossTarget(SlimeTarget):
 
     def _policy(self) -> tuple[Any, Any, Recorder]:
         if getattr(self, "_policy_fns", None) is None:
-            module, self.stubs = import_slime(self.src, self._undo)
+            module = self.import_module(LOSS_MODULE)
             recorder = module.get_log_probs_and_entropy
             if not isinstance(recorder, Recorder):
                 recorder = Recorder(recorder)
@@ -293,26 +326,27 @@ class SlimePolicyLossTarget(SlimeTarget):
         device = inputs.logits.device
         args = self.args(inputs)
         masks = [m.to(device) for m in inputs.policy.loss_masks]
-        batch: dict[str, Any] = {
-            "unconcat_tokens": [t.to(device) for t in inputs.tokens],
-            "total_lengths": inputs.total_lengths,
-            "response_lengths": inputs.response_lengths,
+        per_sample: dict[str, Any] = {
             "advantages": [a.to(device) for a in inputs.policy.advantages],
             "log_probs": [lp.to(device) for lp in inputs.policy.old_log_probs],
             "loss_masks": masks,
             "rollout_mask_sums": [m.sum() for m in masks],
         }
-        if inputs.max_seq_lens is not None:
-            batch["max_seq_lens"] = inputs.max_seq_lens
         if inputs.keep_sets is not None:  # as slime's rollout stores them: ids and offsets per sample
             from shardcheck.scenarios.keep import to_ids_offsets
 
             pairs = [to_ids_offsets(sets) for sets in inputs.keep_sets]
-            batch["rollout_top_p_token_ids"] = [ids for ids, _ in pairs]
-            batch["rollout_top_p_token_offsets"] = [offsets for _, offsets in pairs]
-        reducer = self._reducer(get_sum_of_sample_mean, inputs, masks)
+            per_sample["rollout_top_p_token_ids"] = [ids for ids, _ in pairs]
+            per_sample["rollout_top_p_token_offsets"] = [offsets for _, offsets in pairs]
+        if inputs.rollout is not None:  # the micro-batch slime's training step gets from get_batch
+            batch = self.data_path.batch(_rollout_on(inputs.rollout, device), per_sample)
+        else:
+            batch = {"unconcat_tokens": [t.to(device) for t in inputs.tokens], "total_lengths": inputs.total_lengths,
+                     "response_lengths": inputs.response_lengths, **per_sample}
+            if inputs.max_seq_lens is not None:
+                batch["max_seq_lens"] = inputs.max_seq_lens
         recorder.results.clear()
-        loss, metrics = policy_loss_function(args, batch, inputs.logits, reducer)
+        loss, metrics = self._loss(args, batch, inputs, get_sum_of_sample_mean, masks)
         self.missing_args |= args.__dict__.get("_missing", set())
         if len(recorder.results) != 1:
             raise RuntimeError(f"policy_loss_function called get_log_probs_and_entropy {len(recorder.results)} "
@@ -322,6 +356,12 @@ class SlimePolicyLossTarget(SlimeTarget):
             result = result[-1]
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None,
                            notes={"metrics": sorted(metrics)}, loss=loss)
+
+    def _loss(self, args: Any, batch: dict[str, Any], inputs: RankInputs, get_sum_of_sample_mean: Any,
+              masks: list) -> tuple[Any, Any]:
+        """(loss, metric names): policy_loss_function with slime's own reducer."""
+        policy_loss_function = self._policy()[0]
+        return policy_loss_function(args, batch, inputs.logits, self._reducer(get_sum_of_sample_mean, inputs, masks))
 
     def _reducer(self, get_sum_of_sample_mean: Any, inputs: RankInputs, masks: list) -> Any:
         """slime's own reducer, called as its loss_function calls it at this commit."""
@@ -336,17 +376,51 @@ class SlimePolicyLossTarget(SlimeTarget):
         return get_sum_of_sample_mean(inputs.total_lengths, inputs.response_lengths, masks, **kwargs)
 
 
+class SlimeLossTarget(SlimePolicyLossTarget):
+    """THUDM/slime's loss_function, the loss its training step differentiates (policy_loss_function
+    through slime's dispatch, its all-gather CP term and rescale), fed get_batch's micro-batch"""
+
+    name = "slime:loss"
+    # the loss the framework's training step differentiates: the harness puts the model's CP
+    # collective between the logits and it (harness/rank/model_stand_in.py)
+    training_loss = True
+
+    def _loss(self, args: Any, batch: dict[str, Any], inputs: RankInputs, get_sum_of_sample_mean: Any,
+              masks: list) -> tuple[Any, Any]:
+        from megatron.core import parallel_state as mpu
+
+        loss_function = self.import_module(LOSS_MODULE).loss_function
+        # one micro-batch, and the global batch the size slime's rescale divides back out:
+        # the loss is then policy_loss_function's, as slime's reducer made it
+        replicas = mpu.get_data_parallel_world_size(with_context_parallel=True)
+        args.global_batch_size = replicas
+        named = {"args": args, "batch": batch, "num_microbatches": 1, "step_global_batch_size": replicas,
+                 "logits": inputs.logits}
+        params = list(inspect.signature(loss_function).parameters)
+        unknown = [p for p in params if p not in named]
+        if unknown:
+            raise BadInput(f"slime at {self.src}: loss_function takes {', '.join(unknown)}, which this adapter "
+                           "does not know")
+        loss, _, log = loss_function(*[named[p] for p in params])
+        return loss, list(log.get("keys", []))
+
+
 def target(variant: str | None = None, config: TargetConfig | None = None) -> SlimeTarget:
     """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src, --target-src or SHARDCHECK_SLIME_SRC)
 
     With the variant ``policy_loss``, its policy_loss_function instead."""
     src = config.src if config is not None else None
-    if variant is None:
-        return SlimeTarget(src)
-    if variant == "policy_loss":
-        return SlimePolicyLossTarget(src)
-    raise BadInput(f"target 'slime' has no variant {variant!r} (known: policy_loss)")
+    layout = config.get("layout", "framework") if config is not None else "framework"
+    if layout not in ("framework", "shardcheck"):
+        raise BadInput(f"option layout={layout!r}: expected framework (slime's get_batch) or shardcheck")
+    kinds = {None: SlimeTarget, "policy_loss": SlimePolicyLossTarget, "loss": SlimeLossTarget}
+    if variant not in kinds:
+        raise BadInput(f"target 'slime' has no variant {variant!r} (known: loss, policy_loss)")
+    return kinds[variant](src, layout)
 
 
-target.options = {}  # type: ignore[attr-defined]
-target.variants = {"policy_loss": " ".join((SlimePolicyLossTarget.__doc__ or "").split())}  # type: ignore[attr-defined]
+target.options = {"layout": "framework (default): slime's get_batch lays out each rank's rows; shardcheck: the "  # type: ignore[attr-defined]
+                            "harness's own layout, handed to slime's functions as before"}
+target.variants = {"policy_loss": " ".join((SlimePolicyLossTarget.__doc__ or "").split()),  # type: ignore[attr-defined]
+                   "loss": " ".join((SlimeLossTarget.__doc__ or "").split())}
+

@@ -606,3 +606,94 @@ class SamplingIgnored(SamplingTp1):
 
     name = "plants:SamplingIgnored"
     filtered = False
+
+
+class _SplitOffByOne:
+    """A framework's data path whose zigzag split takes each sample's second chunk one position
+    early: the last position of chunk 2c-1-r is never held, the one before the chunk twice."""
+
+    name = "tests/plants.py:_SplitOffByOne"
+
+    def knobs(self):
+        return {}
+
+    def builds(self, scenario):
+        return None
+
+    def local_tokens(self, rollout):
+        import dataclasses
+
+        from shardcheck.harness.traced_layout import harness_local_tokens
+        from shardcheck.targets.own_layout import OwnDataPath
+
+        layout = OwnDataPath().layout(rollout)
+        if rollout.layout == "zigzag":
+            pieces = list(layout.pieces)
+            pieces[1::2] = [dataclasses.replace(p, start=p.start - 1, stop=p.stop - 1) for p in pieces[1::2]]
+            layout = dataclasses.replace(layout, pieces=tuple(pieces))
+        return harness_local_tokens(layout, rollout.tokens)
+
+
+class CpSplitOffByOne(BuiltinTarget):
+    """builtin behind a data path whose zigzag CP split is off by one (the second chunk of each
+    sample starts a position early)"""
+
+    name = "plants:CpSplitOffByOne"
+    data_path = _SplitOffByOne()
+
+
+class _ValueDependentPath(_SplitOffByOne):
+    """A data path that drops every row whose token is 3 (a layout that depends on the values)."""
+
+    name = "tests/plants.py:_ValueDependentPath"
+
+    def local_tokens(self, rollout):
+        from shardcheck.harness.traced_layout import harness_local_tokens
+        from shardcheck.targets.own_layout import OwnDataPath
+
+        tokens = harness_local_tokens(OwnDataPath().layout(rollout), rollout.tokens)
+        return tokens.masked_fill(tokens == 3, 0)
+
+
+class ValueDependentLayout(BuiltinTarget):
+    """builtin behind a data path that pads over every token 3 (its layout depends on the token values)"""
+
+    name = "plants:ValueDependentLayout"
+    data_path = _ValueDependentPath()
+
+
+class _SlimeLikePadding(_SplitOffByOne):
+    """The harness's layout padded as slime's get_batch pads: each rank's packed rows to a multiple
+    of tp * pad_multiplier, with all-gather CP the packed stream to cp * tp * pad_multiplier."""
+
+    name = "tests/plants.py:_SlimeLikePadding"
+
+    def knobs(self):
+        from shardcheck.targets.base import Knob, positive_int
+
+        return {"pad_multiplier": Knob(128, "rows padded to a multiple of tp * pad_multiplier", positive_int)}
+
+    def builds(self, scenario):
+        return "pads packed layouts only" if scenario.layout == "bshd" else None
+
+    def local_tokens(self, rollout):
+        from megatron.core import parallel_state as mpu
+
+        tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
+        unit = tp * rollout.knobs["pad_multiplier"]
+        if rollout.layout == "allgather":
+            stream = torch.cat(rollout.tokens)
+            stream = torch.nn.functional.pad(stream, (0, -len(stream) % (cp * unit)))
+            return stream.chunk(cp)[mpu.get_context_parallel_rank()].unsqueeze(0)
+        from shardcheck.harness.traced_layout import harness_local_tokens
+        from shardcheck.targets.own_layout import OwnDataPath
+
+        rows = harness_local_tokens(OwnDataPath().layout(rollout), rollout.tokens).reshape(-1)
+        return torch.nn.functional.pad(rows, (0, -len(rows) % unit)).unsqueeze(0)
+
+
+class SlimeLikePadding(BuiltinTarget):
+    """builtin behind a data path that pads as slime's get_batch does (knob pad_multiplier, default 128)"""
+
+    name = "plants:SlimeLikePadding"
+    data_path = _SlimeLikePadding()

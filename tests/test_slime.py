@@ -7,8 +7,9 @@ import textwrap
 
 import pytest
 
-from conftest import export_commit, run_cli
+from conftest import export_commit, run_cli, write_scenarios
 from shardcheck.errors import BadInput
+from shardcheck.scenarios import Scenario, get_suite
 from shardcheck.targets.slime import ENV, detect_era, slime_source
 
 SLIME_SRC = os.environ.get(ENV)
@@ -147,3 +148,106 @@ def test_a_bug_at_one_call_site_shows_only_through_the_caller(tmp_path):
     assert caller.returncode == 1, caller.stdout[-2000:]
     assert "rank_error" in caller.stdout and "with_entropy_grad" in caller.stdout
     assert "in policy_loss_function" in caller.stdout, "the error is placed at slime's call site"
+
+
+GET_BATCH_OLD = '''
+def get_batch(data_iterator, keys, pad_multiplier: int = 128, qkv_format: str = "thd", allgather_cp: bool = False):
+    if qkv_format == "thd":
+        if allgather_cp:
+            cu = torch.tensor([0], device=torch.cuda.current_device())
+        else:
+            cu = torch.tensor([0]).cuda() * 2
+    if allgather_cp:
+        pass
+'''
+
+
+def test_get_batch_is_read_from_its_source(tmp_path):
+    """Which knobs slime's get_batch has, and which layout's branch needs CUDA (the innermost
+    ``if allgather_cp`` around a ``.cuda()``), from a checkout's source."""
+    from shardcheck.targets.slime_data import read_get_batch
+
+    data = tmp_path / "slime" / "backends" / "megatron_utils" / "data.py"
+    data.parent.mkdir(parents=True)
+    data.write_text(GET_BATCH_OLD)
+    found = read_get_batch(tmp_path)
+    assert found["params"] == ["data_iterator", "keys", "pad_multiplier", "qkv_format", "allgather_cp"]
+    assert found["pad_multiplier_default"] == 128 and found["current_device"]
+    assert found["cuda_lines"] == {"thd": 7, "zigzag": 7}  # the else branch: all-gather CP runs on a CPU
+    data.write_text("def get_batch(data_iterator, keys):\n    pass\n")
+    assert read_get_batch(tmp_path)["pad_multiplier_default"] is None
+    data.unlink()
+    assert read_get_batch(tmp_path) is None
+
+
+def test_the_layout_option_is_checked(cli_in_process, tmp_path):
+    got = cli_in_process("run", "--target", "slime", "--target-src", str(tmp_path), "--target-opt", "layout=mine")
+    assert got.returncode == 2 and got.stderr == ("shardcheck: error: option layout='mine': expected framework "
+                                                  "(slime's get_batch) or shardcheck\n")
+
+
+@needs_slime
+@pytest.mark.world
+def test_slime_lays_out_its_rows_with_get_batch_and_its_knob(tmp_path):
+    """By default slime's own get_batch lays out every thd, zigzag and all-gather scenario (its
+    padding to tp * 128 included); pad_multiplier in a scenario reaches it; a bad value is one line."""
+    base = [s for s in get_suite("smoke") if s.name in ("zigzag-tp2cp2-edges", "allgather-tp1cp4-long-prompt",
+                                                        "bshd-tp2cp1-basic")]
+    scenarios = base + [Scenario.from_dict(dict(base[-1].to_dict(), name="ag-pm1", layout_knobs={"pad_multiplier": 1}))]
+    report = tmp_path / "r.json"
+    proc = run_cli("run", "--target", "slime:loss", "--scenario-file", str(write_scenarios(tmp_path / "s.json",
+                   scenarios)), "--json-report", str(report))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    doc = {v["name"]: v for v in json.loads(report.read_text())["scenarios"]}
+    assert doc["zigzag-tp2cp2-edges"]["layout_built_by"] == "slime/backends/megatron_utils/data.py:get_batch"
+    rows = lambda name: {lay["shape"][1] for lay in doc[name]["layouts"].values()}  # noqa: E731
+    assert rows("zigzag-tp2cp2-edges") == {256} and rows("allgather-tp1cp4-long-prompt") == {128}
+    assert max(rows("ag-pm1")) < 128
+    assert doc["bshd-tp2cp1-basic"]["verdict"] == "skip"  # slime's newest has no bshd
+    bad = write_scenarios(tmp_path / "bad.json", [Scenario.from_dict(dict(base[-1].to_dict(), name="bad",
+                                                                          layout_knobs={"pad_multiplier": -1}))])
+    proc = run_cli("run", "--target", "slime", "--scenario-file", str(bad))
+    assert proc.returncode == 2 and "layout knob pad_multiplier must be an integer >= 1, got -1" in proc.stderr
+
+
+PR_2123 = "6ad61127e"  # "Fix training stuck on all-gather cp": placeholders that require grad as the values do
+PR_1678 = "92682315a"  # "bugfixes from community": loss_function's loss + 0 * logits.sum() under all-gather CP
+
+
+@needs_slime_history
+@pytest.mark.world
+def test_a_hang_only_slimes_own_padding_reaches(tmp_path):
+    """slime's get_batch pads the packed stream to cp * tp * 128: with one sample of 100 tokens at
+    cp 2, CP rank 1 holds only padding. Before PR #2123 its all-gather redistribution then made the
+    entropy differentiable on one rank only: a backward all-reduce on rank 1 alone (a hang). The
+    harness's own layout (padding to cp * tp) gives both ranks response rows and passes."""
+    repo = os.environ[REPO_ENV]
+    scenario = ["--suite", "regressions", "--scenario", "ag-cp2-padding-rank"]
+    parent = export_commit(repo, f"{PR_2123}~1", tmp_path / "parent")
+    own = run_cli("run", "--target", "slime", "--target-src", parent, "--target-opt", "layout=shardcheck", *scenario)
+    assert own.returncode == 0, own.stdout[-2000:]
+    framework = run_cli("run", "--target", "slime", "--target-src", parent, *scenario)
+    assert framework.returncode == 1 and "collective_mismatch in backward" in framework.stdout, framework.stdout
+    fixed = run_cli("run", "--target", "slime", "--target-src", export_commit(repo, PR_2123, tmp_path / "fix"),
+                    *scenario)
+    assert fixed.returncode == 0, fixed.stdout[-2000:]
+
+
+@needs_slime_history
+@pytest.mark.world
+def test_a_rank_whose_loss_misses_its_logits_hangs_the_models_backward(tmp_path):
+    """Before PR #1678 slime's loss_function had no loss + 0 * logits.sum(): a CP rank holding
+    only padding (get_batch's) has a loss that does not reach its logits, so the model's CP
+    collective in backward runs on the other rank alone. At the fix that is gone (what is left at
+    that commit is megatron-core's fused cross entropy rounding the gradient to bfloat16)."""
+    repo = os.environ[REPO_ENV]
+    scenario = ["--suite", "regressions", "--scenario", "ag-cp2-padding-rank", "--json-report"]
+    parent = run_cli("run", "--target", "slime:loss", "--target-src",
+                     export_commit(repo, f"{PR_1678}~1", tmp_path / "parent"), *scenario, str(tmp_path / "p.json"))
+    [v] = json.loads((tmp_path / "p.json").read_text())["scenarios"]
+    assert parent.returncode == 1 and v["kinds"] == ["collective_mismatch"], parent.stdout[-2000:]
+    assert "ModelCpCollective" in v["failures"][0]["message"] and v["failures"][0]["phase"] == "backward"
+    run_cli("run", "--target", "slime:loss", "--target-src", export_commit(repo, PR_1678, tmp_path / "fix"),
+            *scenario, str(tmp_path / "f.json"))
+    [v] = json.loads((tmp_path / "f.json").read_text())["scenarios"]
+    assert "collective_mismatch" not in v["kinds"], v["kinds"]

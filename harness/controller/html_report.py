@@ -153,7 +153,7 @@ def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
     scenario = entry.get("scenario")
     if scenario:
         out += _error_map(entry, scenario)
-        out += _layout_map(scenario)
+        out += _layout_map(scenario, entry.get("layouts") or {})
         out.append("<h3>Scenario</h3><pre class=scenario>" + _e(json.dumps(scenario, sort_keys=True)) + "</pre>")
         if target_spec:
             out.append(f"<p>To run it again, save it as <code>scenario.json</code>, then:</p><pre class=replay>"
@@ -297,36 +297,44 @@ def _call_text(c: dict[str, Any]) -> str:
     return f"{c.get('op')}({red}{c.get('dtype')}[{shape}]) {c.get('phase')} at {c.get('site')}"
 
 
-def _layout_map(scenario: dict[str, Any]) -> list[str]:
-    """Per rank of the layout (tp rank, cp rank): its rows, sample after sample."""
-    from shardcheck.harness.layout import rank_layout
+def _layout_map(scenario: dict[str, Any], built: dict[str, dict[str, Any]]) -> list[str]:
+    """Per rank of the layout (tp rank, cp rank): its rows, sample after sample; the rows the
+    framework's data path built when it built them (``built``: world rank -> the rank's payload)."""
+    from shardcheck.harness.layout import Piece, RankLayout, rank_layout
     from shardcheck.scenarios.scenario import Scenario
 
     try:
         sc = Scenario.from_dict(scenario)
     except BadInput as exc:
         return [f"<p class=muted>no layout map: {_e(exc)}</p>"]
-    out = [f"<h3>Layout map: {_e(sc.layout)}, tp {sc.tp} x cp {sc.cp} (one strip per rank; colour: sample; "
-           "faint: prompt rows, solid: rows scoring a response token, hatched: padding)</h3><div class=layout>"]
+    by = next(iter(built.values()))["built_by"] if built else "shardcheck"
+    out = [f"<h3>Layout map: {_e(sc.layout)}, tp {sc.tp} x cp {sc.cp}, rows laid out by {_e(by)} (one strip per "
+           "rank; colour: sample; faint: prompt rows, solid: rows scoring a response token, hatched: padding)</h3>"
+           "<div class=layout>"]
     for cp_rank in range(sc.cp):
         for tp_rank in range(sc.tp):
             lay = rank_layout(sc, tp_rank, cp_rank)
             rank = cp_rank * sc.tp + tp_rank
+            if str(rank) in built:
+                pieces = tuple(Piece(*p) for p in built[str(rank)]["pieces"])
+                lay = RankLayout(sc, tp_rank, cp_rank, pieces, tuple(built[str(rank)]["shape"]), lay.columns,
+                                 lay.share, by)
             segs, words, kinds = [], [], set()
             for p in lay.pieces:
                 for cls, a, b in _runs(sc, p.stream, p.start, p.stop):
                     kinds.add(cls)
                     color = f"s{p.stream % 8}" if p.stream < len(sc.samples) else ""
-                    what = f"sample {p.stream}" if p.stream < len(sc.samples) else "tail padding"
+                    what = f"sample {p.stream}" if p.stream < len(sc.samples) else "padding"
+                    span = f"rows {a}-{b - 1}" if p.stream < len(sc.samples) else f"{b - a} rows"
                     segs.append(f"<span class='seg {color} {cls}' style='flex:{b - a}' "
-                                f"title='{what} rows {a}-{b - 1}: {cls}'></span>")
-                    words.append(f"{what} rows {a}-{b - 1} {cls}")
+                                f"title='{what} {span}: {cls}'></span>")
+                    words.append(f"{what} {span}" + ("" if what == "padding" else f" {cls}"))
             empty = "" if "response" in kinds else " <b>holds no row scoring a response token</b>"
             if not any(lay.share):
                 empty += " <b>returns no response token (its share is empty)</b>"
-            out.append(f"<div>rank {rank} (tp {tp_rank}, cp {cp_rank}), columns {lay.columns[0]}-{lay.columns[1] - 1}"
-                       f"{empty}<div class=strip>{''.join(segs)}</div><span class=muted>{_e('; '.join(words))}</span>"
-                       "</div>")
+            out.append(f"<div>rank {rank} (tp {tp_rank}, cp {cp_rank}), {lay.num_rows} rows, columns "
+                       f"{lay.columns[0]}-{lay.columns[1] - 1}{empty}<div class=strip>{''.join(segs)}</div>"
+                       f"<span class=muted>{_e('; '.join(words))}</span></div>")
     out.append("</div>")
     return out
 

@@ -43,6 +43,7 @@ from shardcheck.errors import BadInput
 from shardcheck.harness.controller.verdict import INVARIANCE_VIOLATION, Failure, RankResult, Verdict, merge
 from shardcheck.scenarios.scenario import CP_LAYOUTS, Sample, Scenario, data_id
 from shardcheck.harness.wire import Checks
+from shardcheck.targets.base import knob_skip_reason
 
 AXES = ("rerun", "tp", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")
 QUANTITIES = ("log_probs", "entropy", "grad")
@@ -393,7 +394,8 @@ class Invariance:
             vs = variants(axis, base, self.world_size)
             for v in vs:
                 if v.scenario is not None and v.skip is None:
-                    v.skip = self.target.capabilities.skip_reason(v.scenario)
+                    v.skip = (self.target.capabilities.skip_reason(v.scenario)
+                              or knob_skip_reason(self.target, v.scenario))
             runnable = [v for v in vs if v.skip is None]
             row = self.result.matrix[axis]
             for v in vs:

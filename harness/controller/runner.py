@@ -23,6 +23,7 @@ from shardcheck.harness import wire
 from shardcheck.harness.wire import RANK_ERROR, Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
+from shardcheck.targets.base import knob_skip_reason
 
 
 class Reporter(Protocol):
@@ -122,7 +123,8 @@ def run(
     given = world.nproc if world is not None else nproc
     skips: dict[int, str] = {}  # by place in the list: two scenarios may share a name
     for i, sc in enumerate(scenarios):
-        reason = target.capabilities.skip_reason(sc)
+        knobs = knob_skip_reason(target, sc)  # first: a knob value it cannot take is bad input, skipped or not
+        reason = target.capabilities.skip_reason(sc) or knobs
         if reason is None and given is not None and given % sc.ranks:
             reason = f"needs tp*cp={sc.ranks} ranks to divide the world size {given}"
         if reason is not None:

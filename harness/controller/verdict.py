@@ -18,6 +18,7 @@ from shardcheck.harness.wire import (  # noqa: F401  (the kinds, re-exported for
     Failure,
     RankResult,
 )
+from shardcheck.harness.controller.layout_check import coverage_failures
 from shardcheck.scenarios.scenario import Scenario
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -32,6 +33,15 @@ class Verdict:
     seconds: float = 0.0
     max_error: dict[str, float] = _field(default_factory=dict)  # field -> max |got - want|
     traces: dict[int, list[dict[str, Any]]] = _field(default_factory=dict)  # rank -> collective calls
+    # rank -> the rows the framework's data path built there (empty: the harness laid them out)
+    layouts: dict[int, dict[str, Any]] = _field(default_factory=dict)
+
+    @property
+    def built_by(self) -> str | None:
+        """Who laid the rows out: the framework's function, "shardcheck", or None (not run)."""
+        if self.layouts:
+            return next(iter(self.layouts.values()))["built_by"]
+        return None if self.status == SKIP else "shardcheck"
 
     @property
     def kinds(self) -> list[str]:
@@ -60,6 +70,8 @@ class Verdict:
             "max_error": self.max_error,
             "failures": [f.to_dict() for f in self.failures],
             "scenario": sc.to_dict(),
+            **({"layout_built_by": self.built_by} if self.built_by else {}),
+            **({"layouts": {str(r): lay for r, lay in self.layouts.items()}} if self.layouts else {}),
             **({"traces": {str(r): t for r, t in self.traces.items()}} if self.traces else {}),
         }
 
@@ -91,8 +103,9 @@ def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verd
     Notes from ranks that stopped because a peer failed say where they were waiting; they are
     attached to the root failure (the earliest rank error or collective mismatch).
     """
+    layouts = {r: res.layout for r, res in enumerate(results) if res.layout}
     merged: dict[tuple, Failure] = {}
-    for res in results:
+    for res in [*results, RankResult(-1, None, coverage_failures(scenario, layouts))]:
         for f in res.failures:
             if f.kind == COLLECTIVE_MISMATCH and "divergent_call_at" in f.details and res.received_at is not None:
                 f.details["reported_after_s"] = round(res.received_at - f.details["divergent_call_at"], 4)
@@ -121,7 +134,7 @@ def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verd
         for k, v in res.max_error.items():
             worst[k] = max(worst.get(k, 0.0), v)
     traces = {r: res.trace for r, res in enumerate(results) if res.trace}
-    return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst, traces)
+    return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst, traces, layouts)
 
 
 def _order(f: Failure) -> tuple:

@@ -177,6 +177,7 @@ class RankRunner:
         self.device = device
         self._targets: dict[Any, Any] = {}
         self._current: Any = None
+        self.layout: dict[str, Any] | None = None  # the scenario's rows as the framework built them
 
     def target(self, spec: str) -> Any:
         """The target for ``spec`` and its settings (the ``SHARDCHECK_*`` environment the
@@ -231,6 +232,7 @@ class RankRunner:
         errors: dict[str, float] = {}
         failures, described, notes, produced = found, {}, [], None
         raised = False
+        self.layout = None
         try:
             described, produced = self._run(scenario, target, found, errors, checks)
             if lockstep is not None:
@@ -280,6 +282,7 @@ class RankRunner:
             trace=_trace_payload(calls, checks.trace_calls, bool(failures or notes), self.trace_cap),
             # the target's outputs as raw data (only when asked for, and only when it ran through)
             outputs=produced,
+            layout=self.layout,
         )
 
     def _stop(self, reason: str) -> None:
@@ -301,7 +304,8 @@ class RankRunner:
         from shardcheck.harness.rank.compare import compare_grad, compare_loss, compare_outputs
         from shardcheck.harness.rank.form import compute_site, form_problems, not_outputs
         from shardcheck.harness.rank.inplace import InputGuard, guard_gradients, guard_inputs
-        from shardcheck.harness.layout import rank_layout
+        from shardcheck.harness.rank.data_path import layout_for, layout_payload
+        from shardcheck.harness.rank.model_stand_in import model_output
         from shardcheck.harness.rank.loss import policy_gradients, share_gradients
         from shardcheck.harness.rank.outputs import rank_outputs
         from shardcheck.scenarios import Scenario
@@ -312,13 +316,15 @@ class RankRunner:
         sc = Scenario.from_dict(scenario_dict)
         target = self.target(spec)
         groups.configure(sc.tp, sc.cp)
-        layout = rank_layout(sc, groups.tp_rank(), groups.cp_rank())
         form = loss_form(target)
         data = ScenarioData(sc, loss=form)
+        layout, rollout, moved = layout_for(target, data, groups.tp_rank(), groups.cp_rank(), self.rank)
+        self.layout = layout_payload(layout)
+        found += moved
         leaf = shard.local_logits(data, layout).to(self.device).requires_grad_()
         inputs = RankInputs(
             # a non-leaf activation, as a model's output is: autograd lets a target write into it
-            logits=leaf.clone(),
+            logits=model_output(leaf, target, sc.cp, groups.cp_group()),
             tokens=[data.tokens(i) for i in range(len(sc.samples))],
             total_lengths=[s.total for s in sc.samples],
             response_lengths=[s.response for s in sc.samples],
@@ -339,6 +345,7 @@ class RankRunner:
             keep_sets=[data.keep_sets(i) for i in range(len(sc.samples))] if sc.replay_keep else None,
             top_k=sc.top_k,
             top_p=float(sc.top_p),
+            rollout=rollout,
         )
         guard = guard_inputs(self.rank, layout, data, inputs, leaf) if inplace else InputGuard(self.rank)
         # explaining: anomaly mode makes torch record each autograd node's forward stack, so a
