@@ -57,6 +57,7 @@ class Checks:
     outputs: bool = False  # send the target's own outputs and logit gradient back, bit for bit
     reference: bool = True  # compare values and gradient with the float64 reference
     explain: bool = False  # find the call site of the first in-place write (a dispatch mode on every op)
+    coverage: bool = False  # which lines of the target's framework_files ran (coverage.py)
 
     def to_wire(self) -> dict[str, bool]:
         return dataclasses.asdict(self)
@@ -165,6 +166,8 @@ class RankResult:
     # the rows the framework's data path built on this rank (rank/data_path.layout_payload); None
     # when the harness laid them out
     layout: dict[str, Any] | None = None
+    # --coverage: per framework file (relative to the checkout), the lines that ran and its statements
+    reached: dict[str, Any] | None = None
     received_at: float | None = None  # set by the controller on arrival
 
     @classmethod

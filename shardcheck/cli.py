@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its logits: its values, gradients and collectives are still checked; the report says so)")
     r.add_argument("--allow-all-skipped", action="store_true",
                    help="exit 0, not 5, when every scenario was skipped (nothing was checked)")
+    r.add_argument("--coverage", action="store_true",
+                   help="say which of the framework's log-prob, data and loss functions ran and the line coverage "
+                        "of those modules (coverage.py, only the framework's own files), in every report")
     v = sub.add_parser("invariance", help="check that each sample's outputs keep their bits however it is laid out")
     _world_options(v)
     _scenario_options(v)
@@ -327,6 +330,20 @@ def _json_report(args: argparse.Namespace, kind: Any) -> Any:
         raise BadInput(f"cannot write the JSON report {args.json_report!r}: {exc.strerror}") from None
 
 
+def _check_coverage(spec: str) -> None:
+    """--coverage needs coverage.py and a target that names its framework's files."""
+    import importlib.util
+
+    from shardcheck.harness.controller.runner import controller_target
+
+    if importlib.util.find_spec("coverage") is None:
+        raise BadInput("--coverage needs coverage.py: pip install 'shardcheck[coverage]' (or coverage)")
+    target = controller_target(spec)
+    if not getattr(target, "framework_files", ()) or getattr(target, "src", None) is None:
+        raise BadInput(f"--coverage: target {spec!r} names no framework source files (a target from a "
+                       "framework's checkout sets src and framework_files)")
+
+
 def _run(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller import runner
     from shardcheck.harness.controller.report import JsonReport, Reporters, TerminalReport
@@ -335,6 +352,8 @@ def _run(args: argparse.Namespace) -> int:
     _use_target_config(args)
     scenarios = _select(args)
     _check_world_options(args, scenarios)
+    if args.coverage:
+        _check_coverage(args.target)
     from shardcheck.harness.controller.joined import JoinedWorld, launched_by_torchrun
     from shardcheck.harness.controller.report import SilentReport
 
@@ -363,7 +382,8 @@ def _run(args: argparse.Namespace) -> int:
         result = runner.run(scenarios, args.target, reporter=Reporters(terminal, json_report, html_report),
                             nproc=args.nproc,
                             timeout=args.timeout, lockstep=not args.no_lockstep, trace=args.trace,
-                            backend=args.backend, inplace=not args.no_inplace, world=world)
+                            backend=args.backend, inplace=not args.no_inplace, world=world,
+                            coverage=args.coverage)
     finally:
         if world is not None:
             world.close()

@@ -149,6 +149,9 @@ class SlimeTarget:
     """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src / SHARDCHECK_SLIME_SRC)"""
 
     name = "slime"
+    # the modules of slime's log-prob path, from the batch to the loss (--coverage measures them)
+    framework_files = ("slime/backends/megatron_utils/data.py", "slime/backends/megatron_utils/cp_utils.py",
+                       "slime/backends/megatron_utils/loss.py", "slime/utils/ppo_utils.py")
 
     def __init__(self, src: str | None = None, layout: str = "framework") -> None:
         self.src = slime_source(src)

@@ -61,6 +61,20 @@ def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
+def _reach(coverage: dict[str, Any] | None) -> list[str]:
+    """--coverage: per framework file, its line coverage, the functions that ran and those that did not."""
+    if not coverage or not coverage.get("files"):
+        return []
+    out = ["<h2>Framework code reached</h2><table class=reach><tr><th>file<th>lines run<th>functions run"
+           "<th>functions not reached</tr>"]
+    for rel, f in coverage["files"].items():
+        names = lambda key: ", ".join(_e(n.split(":", 1)[1]) for n in f[key]) or "-"  # noqa: E731
+        out.append(f"<tr><td>{_e(rel)}<td>{f['percent']}% of {f['statements']}<td>{names('functions')}"
+                   f"<td class=muted>{names('not_reached')}</tr>")
+    out.append("</table>")
+    return out
+
+
 def _summary(doc: dict[str, Any]) -> list[str]:
     target = doc.get("target") or {}
     lines = [f"<p>target: <b>{_e(target.get('name', doc.get('target_spec', '?')))}</b> "
@@ -72,6 +86,13 @@ def _summary(doc: dict[str, Any]) -> list[str]:
         lines.append(f"<p>{summary.get('total', 0)} scenarios: {summary.get('pass', 0)} passed, "
                      f"{summary.get('fail', 0)} failed, {summary.get('skip', 0)} skipped"
                      + ("" if doc.get("complete", True) else " <b>(incomplete: the run did not finish)</b>") + "</p>")
+    laid: dict[str, int] = {}
+    for s in doc["scenarios"]:
+        if s.get("layout_built_by"):
+            laid[s["layout_built_by"]] = laid.get(s["layout_built_by"], 0) + 1
+    if laid and set(laid) != {"shardcheck"}:
+        lines.append("<p>rows laid out by: " + "; ".join(f"{_e(k)} ({n})" for k, n in laid.items()) + "</p>")
+    lines += _reach(doc.get("coverage"))
     absent = [k for k in ("target", "summary", "ranks") if k not in doc]
     if absent:
         lines.append(f"<p class=muted>this report has no {', '.join(absent)} field (an older shardcheck, or a run "

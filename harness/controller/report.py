@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from shardcheck.harness.controller import reach_report
 from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
@@ -299,6 +300,10 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
             lines.append(f"  ... {len(printed) - MAX_OUTPUT_SHOWN} more in the JSON report")
     lines.append("")
     lines.append(_target_line(info.target))
+    laid = layout_line(verdicts)
+    if laid:
+        lines.append(laid)
+    lines += reach_report.render(info.coverage)
     if not info.inplace:
         lines.append("not checked: whether the target leaves its inputs unchanged (--no-inplace)")
     lines.append(
@@ -308,6 +313,24 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
            f"{info.ranks} ranks)" if start else "")
     )
     return "\n".join(lines)
+
+
+def layout_line(verdicts: list[Verdict]) -> str | None:
+    """Who laid out the rows of the scenarios that ran, and why not the framework where it has a
+    data path that did not; None when the harness laid out every one and nothing else was meant."""
+    by: dict[str, int] = {}
+    why: dict[str, int] = {}
+    for v in verdicts:
+        if v.built_by is not None:
+            by[v.built_by] = by.get(v.built_by, 0) + 1
+        if v.layout_note and v.status != SKIP:
+            why[v.layout_note] = why.get(v.layout_note, 0) + 1
+    if not by or (set(by) == {"shardcheck"} and not why):
+        return None
+    text = "rows laid out by: " + "; ".join(f"{name} ({n} scenario{'s' if n != 1 else ''})" for name, n in by.items())
+    if why:
+        text += " - not by the framework: " + "; ".join(f"{w} ({n})" for w, n in why.items())
+    return text
 
 
 def render_failure(v: Verdict) -> str:

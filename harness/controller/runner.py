@@ -18,12 +18,13 @@ from shardcheck.harness.controller.verdict import (
     Verdict,
     merge,
 )
+from shardcheck.harness.controller.reach_report import Reach
 from shardcheck.harness.controller.world import World
 from shardcheck.harness import wire
 from shardcheck.harness.wire import RANK_ERROR, Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
-from shardcheck.targets.base import knob_skip_reason
+from shardcheck.targets.base import data_path, knob_skip_reason
 
 
 class Reporter(Protocol):
@@ -67,6 +68,12 @@ def _place(verdict: Verdict, placement: dict[int, str] | None) -> None:
             f.details["placement"] = {str(r): placement[r] for r in ranks if r in placement}
 
 
+def _layout_note(target: Target, scenario: Scenario) -> str | None:
+    """Why the target's own data path did not lay the scenario out (None: it did, or it has none)."""
+    path = data_path(target)
+    return path.builds(scenario) if path is not None else None
+
+
 def _unexplained_mutation(verdict: Verdict) -> bool:
     return any(f.kind == INPUT_MUTATED and "site" not in f.details for f in verdict.failures)
 
@@ -108,6 +115,7 @@ def run(
     world: World | None = None,
     backend: str = "gloo",
     inplace: bool = True,
+    coverage: bool = False,
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
 
@@ -116,6 +124,7 @@ def run(
     calls in each verdict (a failing one always carries the calls leading up to it).
     ``backend`` (gloo, nccl or auto) is that of the world started here (a given ``world`` has
     its own). ``inplace`` checks that the target leaves its inputs unchanged (``input_mutated``).
+    ``coverage`` measures which lines of the target's ``framework_files`` ran (``info.coverage``).
     """
     target = controller_target(target_spec)
     t0 = time.perf_counter()
@@ -136,6 +145,7 @@ def run(
         backend, backend_why = choose_backend(backend, size)
     info = RunInfo(target.describe(), target_spec, size, world.backend if world is not None else backend,
                    backend_why, world.lockstep if world is not None else lockstep, inplace=inplace)
+    reach = Reach(str(target.src) if getattr(target, "src", None) is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
     for _, v in verdicts:
@@ -152,8 +162,10 @@ def run(
             # a (re)start is reported on its own (startup_seconds), not charged to the scenario
             world.ensure_ready()
             started = time.perf_counter()
-            results = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace))
+            results = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace,
+                                                                  coverage=coverage))
             verdict = merge(sc, results, time.perf_counter() - started)
+            verdict.layout_note = _layout_note(target, sc)
             _place(verdict, getattr(world, "placement", None))
             if _unexplained_mutation(verdict) or _unexplained_backward_call(verdict):
                 # the call site of an in-place write, and where a backward collective's autograd
@@ -163,6 +175,10 @@ def run(
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
                 info.target = results[0].target
+            if reach is not None:
+                for res in results:
+                    reach.add(res.reached)
+                info.coverage = reach.summary()
             verdicts.append((i, verdict))
             reporter.add(verdict)
     finally:

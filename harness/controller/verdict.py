@@ -35,6 +35,8 @@ class Verdict:
     traces: dict[int, list[dict[str, Any]]] = _field(default_factory=dict)  # rank -> collective calls
     # rank -> the rows the framework's data path built there (empty: the harness laid them out)
     layouts: dict[int, dict[str, Any]] = _field(default_factory=dict)
+    # why a target with its own data path did not lay this scenario out (the harness did)
+    layout_note: str | None = None
 
     @property
     def built_by(self) -> str | None:
@@ -71,6 +73,7 @@ class Verdict:
             "failures": [f.to_dict() for f in self.failures],
             "scenario": sc.to_dict(),
             **({"layout_built_by": self.built_by} if self.built_by else {}),
+            **({"layout_note": self.layout_note} if self.layout_note else {}),
             **({"layouts": {str(r): lay for r, lay in self.layouts.items()}} if self.layouts else {}),
             **({"traces": {str(r): t for r, t in self.traces.items()}} if self.traces else {}),
         }
@@ -92,6 +95,8 @@ class RunInfo:
     rank_output: list[dict[str, Any]] = _field(default_factory=list)  # {"line", "ranks"}, each line once
     world_events: list[str] = _field(default_factory=list)  # outside any scenario: a rank that died idle
     inplace: bool = True  # whether input_mutated was checked (run --no-inplace: not)
+    # run --coverage: what of the framework's own code ran (controller/reach_report.Reach.summary)
+    coverage: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -233,8 +233,15 @@ class RankRunner:
         failures, described, notes, produced = found, {}, [], None
         raised = False
         self.layout = None
+        reached: dict[str, Any] = {}
         try:
-            described, produced = self._run(scenario, target, found, errors, checks)
+            if checks.coverage:
+                from shardcheck.harness.rank.reach import measured
+
+                with measured(self.target(target), reached):
+                    described, produced = self._run(scenario, target, found, errors, checks)
+            else:
+                described, produced = self._run(scenario, target, found, errors, checks)
             if lockstep is not None:
                 lockstep.finish()
         except CollectiveMismatch as exc:
@@ -283,6 +290,7 @@ class RankRunner:
             # the target's outputs as raw data (only when asked for, and only when it ran through)
             outputs=produced,
             layout=self.layout,
+            reached=reached or None,
         )
 
     def _stop(self, reason: str) -> None:
