@@ -34,10 +34,22 @@ combines both functions. Which one is read from the checkout (``--target-opt cal
   (``preprocess_thd_engine``, before it ``preprocess_thd_no_padding`` and
   ``preprocess_packed_seqs_no_padding``; labels rolled there where the era rolls them) or bshd
   packing, and its outputs unpacked by the matching ``postprocess_*`` (which all-gathers them over
-  CP). A scenario whose rows verl's packing puts elsewhere than the harness's layout (verl pads every
-  sequence to a multiple of tp, or of 2*tp*cp under CP) is skipped with the reason; a mismatch the
-  rule misses is raised as the adapter's own error.
+  CP). On the harness's rows (``layout=shardcheck``) a scenario whose rows verl's packing puts
+  elsewhere than the harness's layout (verl pads every sequence to a multiple of tp, or of 2*tp*cp
+  under CP) is skipped with the reason; a mismatch the rule misses is raised as the adapter's own
+  error.
 - ``auto`` (the default): the legacy actor where it still exists, else the engine.
+
+The rows are laid out by verl's own packing (``--target-opt layout=framework``, the default): the
+actor's data path (:mod:`shardcheck.targets.verl_data`) runs the call site's packing on the rollout
+(the engine's ``preprocess_thd_engine`` / ``preprocess_bshd_engine`` or their predecessors; the
+legacy actor's ``preprocess_packed_seqs`` on verl's padded batch), the harness learns the layout
+from it, and ``compute`` runs the same packing on the real batch (``RankInputs.rollout``): labels,
+label mask and temperatures packed as verl packs them, outputs unpacked by verl's postprocess.
+Under CP verl's output is every token on every CP rank with the gradient only through the rank's
+own rows; the adapter hands each rank its zigzag share through an autograd all-reduce over the CP
+group (the harness's contract, not verl's). ``layout=shardcheck``: the harness's rows, as below.
+The layout knobs are the layout arguments of those functions (``use_fp8_padding``, ...).
 
 Both are compiled alone from the checkout's own file (its path and line numbers kept, so
 tracebacks and in-place write sites name verl's lines): the modules around them import ray,
@@ -69,6 +81,7 @@ from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
 from shardcheck.targets.stub import Stub
+from shardcheck.targets.verl_data import data_path_for
 
 ENV = "SHARDCHECK_VERL_SRC"
 TP_FILE = Path("verl/utils/megatron/tensor_parallel.py")
@@ -103,6 +116,8 @@ OPTIONS = {
                  "(MegatronEngineWithLMHead's, with verl's packing) or auto (legacy where it exists; default)",
     "entropy_chunking": "true: vocab_parallel_entropy_with_chunking with the scenario's chunk size, verl's "
                         "2048 where the scenario has none (verl's entropy_from_logits_with_chunking; default false)",
+    "layout": "verl:actor only: framework (verl's own packing lays out the rows, the default) or shardcheck (the "
+              "harness's rows; the engine then skips scenarios whose rows verl's packing puts elsewhere)",
 }
 
 
@@ -369,6 +384,13 @@ def _mask_rows(inputs: RankInputs) -> Any:
     return mask.view(inputs.logits.shape[:2])
 
 
+def _rollout_on(rollout: Any, device: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(rollout, tokens=[t.to(device) for t in rollout.tokens],
+                               loss_masks=[m.to(device) for m in rollout.loss_masks])
+
+
 def _take(values: Any, rows: list) -> list:
     flat = values.reshape(-1)
     return [flat[r] for r in rows]
@@ -378,6 +400,8 @@ class VerlTarget:
     """verl's vocab_parallel_entropy and vocab_parallel_log_probs_from_logits from a source checkout (--verl-src / SHARDCHECK_VERL_SRC)"""
 
     name = "verl"
+    # verl's log-prob modules this target runs, relative to the checkout (for coverage)
+    framework_files: tuple[str, ...] = (str(TP_FILE),)
 
     def __init__(self, src: str | None = None, options: TargetConfig | None = None) -> None:
         self.src = source(src)
@@ -502,7 +526,11 @@ class VerlActorTarget(VerlTarget):
         choice = config.get("call_site", "auto")
         if choice not in ("auto", "legacy", "engine"):
             raise BadInput(f"target 'verl:actor': option call_site={choice!r}: expected legacy, engine or auto")
-        self._choice = choice
+        layout = config.get("layout", "framework")
+        if layout not in ("framework", "shardcheck"):
+            raise BadInput(f"target 'verl:actor': option layout={layout!r}: expected framework or shardcheck")
+        self._choice, self.layout_option = choice, layout
+        self.data_path = None
         super().__init__(src, options)
         sites = self.era["call_sites"]
         kind = ("legacy" if "legacy" in sites else "engine") if choice == "auto" else choice
@@ -521,6 +549,9 @@ class VerlActorTarget(VerlTarget):
         if self.entropy_chunking and not self.site["entropy_chunking"]:
             raise BadInput(f"target 'verl:actor': entropy_chunking=true, but the {kind} call site at {self._short()} "
                            "never calls vocab_parallel_entropy_with_chunking")
+        if layout == "framework":
+            self.data_path = data_path_for(self, kind, self.era["packing"])
+        self.framework_files = (str(TP_FILE), str(UTIL_FILE), self.site["file"])
         self.capabilities = self._capabilities()
         self.missing_config: set[str] = set()
 
@@ -533,22 +564,29 @@ class VerlActorTarget(VerlTarget):
             reasons.append(("bshd", f"verl at {self._short()}: the engine packs thd only (no preprocess_bshd_engine "
                                     f"or preprocess_bshd_no_padding in {UTIL_FILE})"))
         return VerlCapabilities(layouts=frozenset({"thd", "zigzag"} | ({"bshd"} if has_bshd else set())),
-                                entropy=True, layout_reasons=tuple(reasons), packing=True,
+                                entropy=True, layout_reasons=tuple(reasons), packing=self.data_path is None,
                                 reasons=(("replay_keep", REPLAY_WHY),))
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
         out.update({"call_site": {"kind": self.kind, **self.site}, "call_site_option": self._choice,
-                    "config_read_but_not_set": sorted(self.missing_config)})
+                    "config_read_but_not_set": sorted(self.missing_config),
+                    "data_path": self.data_path.name if self.data_path is not None else
+                    f"shardcheck's layout ({'layout=shardcheck' if self.layout_option != 'framework' else 'no packing'})",
+                    "framework_files": list(self.framework_files)})
         if self.kind == "engine":
             out["packing"] = self.era["packing"]
         return out
 
+    def module_names(self) -> tuple[str, ...]:
+        """verl's modules this call site (and its data path) import."""
+        if self.kind == "legacy":
+            return (TP_MODULE,) + ((UTIL_MODULE,) if self.data_path is not None else ())
+        return (TP_MODULE, UTIL_MODULE) + ((TF_MODULE,) if "temperature" in self.site["params"] else ())
+
     def _site_function(self) -> tuple[Any, dict[str, Any], list[str]]:
         if getattr(self, "_site", None) is None:
-            names = (TP_MODULE,) if self.kind == "legacy" else (TP_MODULE, UTIL_MODULE) + (
-                (TF_MODULE,) if "temperature" in self.site["params"] else ())
-            self.modules(names)
+            self.modules(self.module_names())
             fn, namespace, free = compile_call_site(self.src, self.site)
             unknown = [n for n in free if n not in self._known_free()] + [
                 p for p in self.site["params"] if p not in self._known_free() | {"logits", "label", "label_mask"}]
@@ -595,6 +633,10 @@ class VerlActorTarget(VerlTarget):
             return fn(*lead, logits, **args, **keywords)
 
         try:
+            if inputs.rollout is not None:  # verl's own packing laid out the rows: run it on the real batch
+                if self.kind == "legacy":
+                    return self._legacy_packed(call, inputs)
+                return self._engine_packed(call, inputs)
             return self._legacy(call, inputs) if self.kind == "legacy" else self._engine(call, inputs)
         finally:
             self.missing_config |= context["self"].engine_config.__dict__["_missing"]
@@ -649,6 +691,108 @@ class VerlActorTarget(VerlTarget):
                                            device=device)] for i in range(batch_size)]
 
         return RankOutputs(pick(out["log_probs"]), pick(out["entropy"]) if "entropy" in out else None)
+
+    def _legacy_packed(self, call: Any, inputs: RankInputs) -> RankOutputs:
+        """MegatronPPOActor's forward on the rollout batch: its label (position ids with the
+        responses written at ``[:, -R-1:-1]``) and label mask built from verl's padded batch, all
+        three packed by verl's preprocess_packed_seqs (the data path), the closure called on the
+        logits laid out as that packing laid out the rows, its outputs unpacked by
+        postprocess_packed_seqs and cut to ``[:, -R-1:-1]``, as the actor does."""
+        path = self.data_path
+        rollout = _rollout_on(inputs.rollout, inputs.logits.device)
+        batch = path.batch(rollout)
+        mask, knobs = batch["attention_mask"], rollout.knobs
+        packed_seq_params = path.pack(batch["input_ids"], mask, knobs)[1]
+        response_length = batch["responses"].size(1)
+        label = batch["position_ids"].clone()
+        label[:, -response_length - 1 : -1] = batch["responses"]
+        label_mask = mask.clone()
+        label_mask[:, : -response_length - 1] = False
+        label_mask[:, -1] = False
+        args = {"label": path.pack(label, mask, knobs)[0], "label_mask": path.pack(label_mask, mask, knobs)[0]}
+        ret = call(inputs.logits, {p: args[p] for p in self.site["params"] if p in args})
+        post = path.util().postprocess_packed_seqs
+        batch_size, seq_len = mask.shape
+        out = {k: post(v, packed_seq_params, mask, batch_size, seq_len, post_process=True)[:, -response_length - 1 : -1]
+               for k, v in ret.items()}
+        responses = rollout.response_lengths
+
+        def per_sample(values: Any) -> list:
+            return [values[i, : responses[i]] for i in range(batch_size)]
+
+        return self._outputs(inputs, {k: per_sample(v) for k, v in out.items()})
+
+    def _engine_packed(self, call: Any, inputs: RankInputs) -> RankOutputs:
+        """MegatronEngineWithLMHead's logits processor on the rollout batch, with what verl's
+        engine forward builds from it: nested ids, ``label`` a clone of them, per-sample temperatures
+        expanded as nested, each packed by verl's preprocess (the data path, with the scenario's
+        layout knobs; labels rolled where it rolls them), the outputs unpacked by verl's postprocess
+        (which all-gathers them over CP)."""
+        import torch
+
+        path = self.data_path
+        rollout = _rollout_on(inputs.rollout, inputs.logits.device)
+        knobs, layout = rollout.knobs, rollout.layout
+        batch_size = len(rollout.tokens)
+        input_ids = path.nested(rollout.tokens)
+        lp_args: dict[str, Any] = {"label": input_ids.clone()}
+        if "temperature" in self.site["params"]:
+            temperature = torch.tensor([inputs.temperature] * batch_size, device=inputs.logits.device).to(torch.float32)
+            lp_args["temperature"] = self._modules[TF_MODULE].expand_as_nested(temperature, input_ids)
+        post_name = path.pre(layout)[1]
+        post = getattr(path.util(), post_name)
+        if layout == "bshd":
+            _, mask_bshd, _ = path.pack(input_ids, layout, knobs)
+            args = {k: path.pack(v, layout, knobs, need_roll=(k == "label"))[0] for k, v in lp_args.items()}
+            ret = call(inputs.logits, args)
+            out = {k: post(v, mask_bshd, post_process=True) for k, v in ret.items()}
+        else:
+            packed_seq_params = path.pack(input_ids, layout, knobs)[1]
+            args = {k: path.pack(v, layout, knobs, need_roll=(k == "label"))[0] for k, v in lp_args.items()}
+            ret = call(inputs.logits, args)
+            post_args = path.kwargs(post_name, {k: v for k, v in knobs.items() if k == "cp_layout"})
+            out = {k: post(v, packed_seq_params, input_ids, batch_size, post_process=True, **post_args)
+                   for k, v in ret.items()}
+        prompts = [t - r for t, r in zip(rollout.total_lengths, rollout.response_lengths)]
+
+        def per_sample(nested: Any) -> list:
+            return [nested[i][prompts[i] - 1 : prompts[i] - 1 + rollout.response_lengths[i]]
+                    for i in range(batch_size)]
+
+        return self._outputs(inputs, {k: per_sample(v) for k, v in out.items()})
+
+    def _outputs(self, inputs: RankInputs, out: dict[str, list]) -> RankOutputs:
+        """Per sample, the rank's share of verl's per-response-token outputs. verl's CP output is
+        every token on every CP rank, its gradient only through the rank's own rows (each CP rank
+        computes the whole loss); the harness's contract is each rank's zigzag share with its
+        gradient. Under CP each rank therefore keeps the tokens its own rows score (where verl's
+        packing put them: the traced layout) and an all-reduce over the CP group with autograd
+        (torch.distributed.nn, its backward all-reduces the gradient) hands every token to the rank
+        whose share holds it: the adapter's conversion, not verl's."""
+        import torch
+
+        share = inputs.rank_layout.share
+        if inputs.cp_size == 1:
+            return RankOutputs(*[([v[list(share[i])] for i, v in enumerate(out[k])] if k in out else None)
+                                 for k in ("log_probs", "entropy")])
+        from torch.distributed.nn.functional import all_reduce
+
+        from shardcheck.harness.traced_layout import row_map
+
+        samples = inputs.rank_layout.scenario.samples
+        held = {rp for rp in row_map(inputs.rank_layout) if rp is not None}
+        device = inputs.logits.device
+        own = torch.cat([torch.tensor([(i, s.prompt - 1 + j) in held for j in range(s.response)], dtype=torch.bool)
+                         for i, s in enumerate(samples)]).to(device)
+        result: dict[str, list] = {}
+        for key in ("log_probs", "entropy"):
+            if key not in out:
+                continue
+            flat = torch.cat(list(out[key]))
+            whole = all_reduce(torch.where(own, flat, torch.zeros_like(flat)), group=inputs.cp_group)
+            parts = whole.split([s.response for s in samples])
+            result[key] = [parts[i][list(share[i])] for i in range(len(samples))]
+        return RankOutputs(result["log_probs"], result.get("entropy"))
 
     def _check_rows(self, inputs: RankInputs, pack: Any) -> None:
         """verl's packing of position codes must put every token on the row the harness put it on

@@ -17,7 +17,7 @@ from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Sample, Scenario
 from shardcheck.scenarios.suites import get_suite
 from shardcheck.targets import resolve
-from shardcheck.targets.base import TargetConfig
+from shardcheck.targets.base import TargetConfig, data_path, knob_skip_reason
 from shardcheck.targets.verl import ENV, compile_call_site, detect_era, import_verl, packing_mismatch, source, target
 
 VERL_SRC = os.environ.get(ENV)
@@ -214,7 +214,7 @@ def test_variants_options_and_call_sites_are_checked(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     old = str(_fake_checkout(tmp_path / "old", legacy=LEGACY_ACTOR))
     bare = str(_fake_checkout(tmp_path / "bare"))
-    assert set(target.variants) == {"actor"} and set(target.options) == {"call_site", "entropy_chunking"}
+    assert set(target.variants) == {"actor"} and set(target.options) == {"call_site", "entropy_chunking", "layout"}
     with pytest.raises(BadInput, match="no variant 'nope'"):
         target("nope", TargetConfig(old))
     # through resolve, as the CLI builds it (module:callable: the registry's metadata may be stale
@@ -234,6 +234,8 @@ def test_variants_options_and_call_sites_are_checked(tmp_path, monkeypatch):
         target("actor", TargetConfig(old, (("call_site", "engine"),)))
     with pytest.raises(BadInput, match="call_site='both': expected legacy, engine or auto"):
         target("actor", TargetConfig(old, (("call_site", "both"),)))
+    with pytest.raises(BadInput, match="layout='mine': expected framework or shardcheck"):
+        target("actor", TargetConfig(old, (("layout", "mine"),)))
     if REGISTERED:
         with pytest.raises(BadInput, match="no variant 'nope'"):
             resolve("verl:nope", TargetConfig(old))
@@ -242,19 +244,81 @@ def test_variants_options_and_call_sites_are_checked(tmp_path, monkeypatch):
 
 
 def test_every_smoke_scenario_runs_or_has_a_true_reason(tmp_path):
-    """Skips come with their reasons: all-gather CP and replayed keep sets for both; for the engine
-    call site also the scenarios whose rows verl's packing puts elsewhere (tp / 2*tp*cp padding)."""
+    """Skips come with their reasons: all-gather CP and replayed keep sets for both. With verl's own
+    packing laying out the rows (the default) nothing else is skipped; on the harness's rows
+    (layout=shardcheck) the engine call site also skips the scenarios whose rows verl's packing puts
+    elsewhere (tp / 2*tp*cp padding)."""
     new = str(_fake_checkout(tmp_path, tp=TP_NEW, engine=ENGINE_METHOD, util=UTIL_NEW))
     plain, actor = target(None, TargetConfig(new)), target("actor", TargetConfig(new))
+    own_rows = target("actor", TargetConfig(new, (("layout", "shardcheck"),)))
+    assert data_path(actor) is not None and data_path(own_rows) is None and data_path(plain) is None
     for sc in get_suite("smoke"):
         why = plain.capabilities.skip_reason(sc)
         assert (why is None) == (sc.layout != "allgather" and not sc.replay_keep), (sc.name, why)
         assert why is None or "all-gather CP" in why or "top-p / top-k" in why
-        why = actor.capabilities.skip_reason(sc)
+        assert actor.capabilities.skip_reason(sc) == why, sc.name
+        assert actor.data_path.builds(sc) is None or sc.layout == "allgather", sc.name
+        why = own_rows.capabilities.skip_reason(sc)
         if why is None:
             assert packing_mismatch(sc) is None and sc.layout != "allgather"
         else:
             assert why.strip(), sc.name
+
+
+UTIL_KNOBS = UTIL_NEW.replace(
+    "def preprocess_thd_engine(input_ids, pre_process=True, need_roll=False, cp_layout=\"zigzag\"):",
+    "def preprocess_thd_engine(input_ids, pre_process=True, need_roll=False, use_fp8_padding=False,\n"
+    "                          local_cp_size=None, min_local_rows=None, pad_to_length_bucket=None,\n"
+    "                          cp_layout=\"zigzag\"):") + """
+
+def preprocess_packed_seqs(input_ids, attention_mask, pre_process=True, use_fp8_padding=False):
+    pass
+
+
+def postprocess_packed_seqs(output, packed_seq_params, attention_mask, batch_size, seq_len, post_process=True):
+    pass
+"""
+
+
+def test_the_data_path_is_verls_packing_with_the_knobs_its_functions_take(tmp_path):
+    """The engine's data path is preprocess_thd_engine (bshd: preprocess_bshd_engine), the legacy
+    actor's preprocess_packed_seqs; the knobs are the layout arguments those functions take, with
+    verl's defaults; a value of the wrong type is one line of bad input; framework_files names the
+    modules checked."""
+    new = _fake_checkout(tmp_path / "new", tp=TP_NEW, engine=ENGINE_METHOD, util=UTIL_KNOBS)
+    engine = target("actor", TargetConfig(str(new)))
+    path = data_path(engine)
+    assert path.name == "verl/models/mcore/util.py:preprocess_thd_engine / preprocess_bshd_engine"
+    knobs = path.knobs()
+    assert {k: v.default for k, v in knobs.items()} == {
+        "use_fp8_padding": False, "min_local_rows": None, "pad_to_length_bucket": None, "cp_layout": "zigzag"}
+    assert knobs["use_fp8_padding"].problem(True) is None and knobs["pad_to_length_bucket"].problem(64) is None
+    assert "true or false" in knobs["use_fp8_padding"].problem("yes")
+    assert "integer >= 1" in knobs["min_local_rows"].problem(0)
+    assert "zigzag, contiguous" in knobs["cp_layout"].problem("ring")
+    assert engine.framework_files == ("verl/utils/megatron/tensor_parallel.py", "verl/models/mcore/util.py",
+                                      "verl/workers/engine/megatron/transformer_impl.py")
+    assert target(None, TargetConfig(str(new))).framework_files == ("verl/utils/megatron/tensor_parallel.py",)
+    base = get_suite("smoke")[0].to_dict()
+    bad = Scenario.from_dict(dict(base, name="bad", layout_knobs={"use_fp8_padding": "yes"}))
+    with pytest.raises(BadInput) as exc:
+        knob_skip_reason(engine, bad)
+    assert "\n" not in str(exc.value) and "layout knob use_fp8_padding must be true or false, got 'yes'" in str(exc.value)
+    good = Scenario.from_dict(dict(base, name="good", layout_knobs={"use_fp8_padding": True}))
+    assert knob_skip_reason(engine, good) is None
+    allgather = next(sc for sc in get_suite("smoke") if sc.layout == "allgather")
+    assert "no all-gather CP layout of its own" in path.builds(allgather)
+    # the legacy actor: preprocess_packed_seqs, thd and zigzag; bshd laid out by shardcheck
+    old = _fake_checkout(tmp_path / "old", legacy=LEGACY_ACTOR, util=UTIL_KNOBS)
+    legacy = target("actor", TargetConfig(str(old)))
+    assert legacy.kind == "legacy" and data_path(legacy).name == "verl/models/mcore/util.py:preprocess_packed_seqs"
+    assert set(data_path(legacy).knobs()) == {"use_fp8_padding"}
+    assert legacy.framework_files[2] == "verl/workers/actor/megatron_actor.py"
+    bshd = next(sc for sc in get_suite("smoke") if sc.layout == "bshd")
+    assert "preprocess_bshd" in data_path(legacy).builds(bshd)
+    # a checkout without the legacy packing function has no data path there
+    bare = target("actor", TargetConfig(str(_fake_checkout(tmp_path / "bare", legacy=LEGACY_ACTOR))))
+    assert data_path(bare) is None
 
 
 def test_the_packing_rule_follows_verls_padding():
@@ -398,8 +462,37 @@ def test_chunked_entropy_cannot_be_differentiated_over_several_chunks(tmp_path):
     assert "tensor_parallel.py" in failure["message"] and "in backward" in failure["message"]
 
 
-# ----------------------------------------------------------------------------------------------
-# verl's history
+# Scenarios whose rows verl's packing puts elsewhere than the harness (skipped on the harness's
+# rows): sequences not a multiple of tp, CP chunks longer than ceil(L / 2cp), a batch row padded to
+# tp. Clean as CLEAN is.
+PADDED = [
+    {"name": "padded-thd-tp2", "samples": [[23, 10], [9, 4]], "vocab": 64, "tp": 2},
+    {"name": "padded-zigzag-tp2cp2", "samples": [[23, 10], [9, 4]], "vocab": 64, "tp": 2, "cp": 2,
+     "layout": "zigzag"},
+    {"name": "padded-bshd-tp2", "samples": [[17, 9], [12, 11]], "vocab": 64, "tp": 2, "layout": "bshd"},
+]
+PADDED = [dict(sc, with_entropy=False, temperature=1.0, dtype="bfloat16", seed=31 + i) for i, sc in enumerate(PADDED)]
+
+
+@needs_verl
+@pytest.mark.world
+def test_verls_own_packing_lays_out_what_the_harness_rows_could_not(world, tmp_path):
+    """Scenarios the engine skipped on the harness's rows run on the rows verl's packing lays out
+    (the position trace): values and gradients are right; the report names the function that laid
+    them out. What fails is verl's in-place division of the padding rows its packing adds: it
+    gives them temperature 0, raised to 1e-8, and divides the logits in place."""
+    actor = target("actor")
+    if actor.data_path is None:
+        pytest.skip("this verl commit has no packing the adapter follows")
+    scenarios = [Scenario.from_dict(sc) for sc in PADDED]
+    assert all(packing_mismatch(sc) for sc in scenarios)
+    run = run_on_world(world, scenarios, ACTOR, tmp_path / "r.json", "padded")
+    for v in run.report["scenarios"]:
+        if v["scenario"]["layout"] == "bshd" and actor.data_path.builds(Scenario.from_dict(v["scenario"])):
+            continue
+        assert v["verdict"] in ("pass", "fail") and v["layout_built_by"] == actor.data_path.name, v["name"]
+        for f in v.get("failures") or []:
+            assert f["kind"] == "input_mutated" and "padding" in f["message"], (v["name"], f["message"])
 
 REPO_ENV = "SHARDCHECK_VERL_REPO"
 PR_4250 = "10175743f"  # "fix bugs in mcore backend context-parallel code logic": labels rolled in the packing
@@ -434,3 +527,43 @@ def test_labels_rolled_across_cp_chunks_fail_before_4250_and_pass_after(tmp_path
     after = run_cli(*args, "--verl-src", export_commit(repo, PR_4250, tmp_path / "after", "verl"),
                     cwd=str(tmp_path))
     assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-2000:]
+
+
+PR_6001 = "45c0f58a6"  # "[data] fix: pad data in preprocess_packed_seqs if shorter than align_size (#6001)"
+
+
+@pytest.mark.world
+@pytest.mark.skipif(not _repo_with(PR_6001), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
+                    f"holding {PR_6001} (a clone of verl-project/verl with its history)")
+def test_a_sequence_shorter_than_the_cp_alignment_breaks_the_legacy_packing_before_6001(tmp_path):
+    """Before #6001 preprocess_packed_seqs sliced a sequence shorter than 2*tp*cp past its end.
+    Reached through the legacy actor's packing (the data path of verl:actor at those commits),
+    at tp=2, cp=2 (align 8, chunks of 2 rows): a sequence of 2 tokens gives CP rank 1 an empty
+    slice for its 2 rows (RuntimeError on that rank, in preprocess_packed_seqs); one of 3 tokens
+    gives it one token, which broadcasts over both rows: position 2 held twice, silently (a layout
+    mismatch). #6001 pads the sequence first: both pass."""
+    repo = _repo_with(PR_6001)
+    scenarios = tmp_path / "short.json"
+    base = {"vocab": 64, "tp": 2, "cp": 2, "layout": "zigzag", "with_entropy": False, "temperature": 1.0,
+            "dtype": "bfloat16", "seed": 7}
+    scenarios.write_text(json.dumps([dict(base, name="short2", samples=[[2, 1], [16, 7]]),
+                                     dict(base, name="short3", samples=[[3, 1], [16, 7]])]))
+    args = ["run", "--target", "verl:actor", "--scenario-file", str(scenarios)]
+    before_report, after_report = tmp_path / "before.json", tmp_path / "after.json"
+    parent = export_commit(repo, f"{PR_6001}~1", tmp_path / "before", "verl")
+    before = run_cli(*args, "--verl-src", parent, "--json-report", str(before_report), cwd=str(tmp_path))
+    assert before.returncode == 1, before.stdout[-3000:] + before.stderr[-2000:]
+    doc = json.loads(before_report.read_text())
+    assert doc["target"]["call_site"]["kind"] == "legacy"
+    verdicts = {v["name"]: v for v in doc["scenarios"]}
+    errors = [f for f in verdicts["short2"]["failures"] if f["kind"] == "rank_error"]
+    assert errors and "RuntimeError" in errors[0]["message"], verdicts["short2"]["failures"]
+    assert "util.py" in errors[0]["message"] and "in preprocess_packed_seqs" in errors[0]["message"]
+    mismatch = [f for f in verdicts["short3"]["failures"] if f["kind"] == "layout_mismatch"]
+    assert mismatch and "sample 0 position 2 is held 2 times by cp rank 1" in mismatch[0]["message"], \
+        verdicts["short3"]["failures"]
+    fix = export_commit(repo, PR_6001, tmp_path / "after", "verl")
+    after = run_cli(*args, "--verl-src", fix, "--json-report", str(after_report), cwd=str(tmp_path))
+    assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-2000:]
+    for v in json.loads(after_report.read_text())["scenarios"]:
+        assert v["verdict"] == "pass" and v["layout_built_by"] == "verl/models/mcore/util.py:preprocess_packed_seqs"
