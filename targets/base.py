@@ -181,6 +181,13 @@ class Rollout:
     def allgather_cp(self) -> bool:
         return self.layout == "allgather"
 
+    def to(self, device: Any) -> "Rollout":
+        """The same batch with its tensors on ``device`` (where the rank's logits are)."""
+        import dataclasses
+
+        return dataclasses.replace(self, tokens=[t.to(device) for t in self.tokens],
+                                   loss_masks=[m.to(device) for m in self.loss_masks])
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -325,6 +332,13 @@ class RankInputs:
     @property
     def allgather_cp(self) -> bool:
         return self.layout == "allgather"
+
+    def to(self, device: Any) -> "Rollout":
+        """The same batch with its tensors on ``device`` (where the rank's logits are)."""
+        import dataclasses
+
+        return dataclasses.replace(self, tokens=[t.to(device) for t in self.tokens],
+                                   loss_masks=[m.to(device) for m in self.loss_masks])
 
     @property
     def qkv_format(self) -> str:

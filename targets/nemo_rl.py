@@ -19,14 +19,17 @@ Variants, each one of NeMo-RL's calling conventions: the default and ``sampling`
 ``per_sequence`` (``SequencePackingLossWrapper``: each sample's slice through
 ``from_parallel_logits_to_logprobs``) and ``pre_rolled`` (``prepare_packed_loss_input``, the fused
 packed loss: ``target_is_pre_rolled=True``) as its loss path does (float32 logits unless
-chunking). ``sampling`` passes ``sampling_params`` (top-k/top-p from the scenario, where it has
+chunking); ``fused_loss`` is that fused loss as NeMo-RL runs it, its targets rolled by its own
+``_pack_input_ids`` (``SequencePackingFusionLossWrapper``). ``sampling`` passes ``sampling_params`` (top-k/top-p from the scenario, where it has
 them: ``DistributedLogprobWithSampling`` / ``ChunkedDistributedLogprobWithSampling``).
 
-NeMo-RL's layout is shardcheck's: with CP, every sequence is padded to a multiple of ``2 * cp``
-(``make_sequence_length_divisible_by``; ``_pack_sequences_for_megatron`` pads each one to
-``round_up(L, 2 * cp)``) and cut into ``2 * cp`` chunks, rank r holding chunks r and
-``2 * cp - 1 - r``; ``cu_seqlens_padded`` holds the padded boundaries. At cp = 1 nothing is
-padded (``cu_seqlens_padded`` is ``cu_seqlens``). A chunk size of -1 is ``chunk_size=None``
+The packed rows (thd, zigzag) are laid out by NeMo-RL's own ``_pack_sequences_for_megatron``
+(:mod:`shardcheck.targets.nemo_rl_data`, ``--target-opt layout=framework``, the default where the
+checkout has it): each sequence padded to ``make_sequence_length_divisible_by``, the stream to
+``pad_packed_seq_to_multiple_of`` or ``pad_packed_seq_to``, zigzag chunks r and ``2 * cp - 1 - r``
+per sequence; every call takes that packing's ``input_ids`` and ``cu_seqlens_padded``. On the
+harness's rows (``layout=shardcheck``, and bshd) every sequence is padded to a multiple of
+``2 * cp`` as NeMo-RL's CP needs, nothing at cp = 1. A chunk size of -1 is ``chunk_size=None``
 (``policy.logprob_chunk_size`` unset, NeMo-RL's default).
 
 Temperature: NeMo-RL's ``forward_with_post_processing_fn`` divides the model's output by the
@@ -70,18 +73,22 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
+from shardcheck.targets.nemo_rl_data import (DATA_FILE, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath, NemoRLFusedLoss,
+                                             has_fused_loss, has_packing)
 from shardcheck.targets.stub import Stub
 
 ENV = "SHARDCHECK_NEMO_RL_SRC"
 MODEL_UTILS = Path("nemo_rl/distributed/model_utils.py")
 MODULE = "nemo_rl.distributed.model_utils"
 SAMPLING_MODULE = "nemo_rl.algorithms.logits_sampling_utils"
+SAMPLING_FILE = Path("nemo_rl/algorithms/logits_sampling_utils.py")
 # Modules model_utils imports at one commit or another that the functions checked do not use.
 STUBBABLE = ("ray", "transformer_engine", "apex", "wandb")
 
 LOGPROBS = "from_parallel_logits_to_logprobs"
 PACKED = "from_parallel_logits_to_logprobs_packed_sequences"
 ENTROPY = "ChunkedDistributedEntropy"
+FUSED = "prepare_packed_loss_input"
 
 OPTIONS = {
     "cp_on_cpu": "true: run cp > 1 scenarios on a CPU world although NeMo-RL's AllGatherCPTensor.backward "
@@ -89,6 +96,8 @@ OPTIONS = {
     "temperature_in_place": "true: divide the given logits in place (logits.div_(T)) as NeMo-RL's "
                             "apply_temperature_scaling (models/megatron/train.py) does, instead of out of place; "
                             "the harness then reports that write as input_mutated at the adapter's line",
+    "layout": "framework (NeMo-RL's _pack_sequences_for_megatron lays out thd and zigzag rows, the default where "
+              "the checkout has it) or shardcheck (the harness's rows, each sequence padded to 2*cp)",
 }
 
 
@@ -231,9 +240,10 @@ class _Capabilities(Capabilities):
     """Capabilities with a reason per unsupported layout, and NeMo-RL's own shape requirements of
     the top-k/top-p path (sampling variant)."""
 
-    def __init__(self, *, layout_reasons: dict[str, str], **kwargs: Any) -> None:
+    def __init__(self, *, layout_reasons: dict[str, str], framework_rows: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         object.__setattr__(self, "layout_reasons", dict(layout_reasons))
+        object.__setattr__(self, "framework_rows", framework_rows)
 
     def skip_reason(self, scenario: Scenario) -> str | None:
         reasons: dict[str, str] = self.layout_reasons  # type: ignore[attr-defined]
@@ -241,7 +251,9 @@ class _Capabilities(Capabilities):
             return reasons[scenario.layout]
         why = super().skip_reason(scenario)
         if why is None and self.sampling:
-            why = sampling_shape_reason(scenario)
+            # NeMo-RL's own packing pads every sequence to a multiple of tp: only its chunk rule is left
+            why = sampling_shape_reason(scenario, self.framework_rows  # type: ignore[attr-defined]
+                                        and scenario.layout in ("thd", "zigzag"))
         return why
 
 
@@ -266,7 +278,7 @@ def _padded(total: int, cp: int) -> int:
     return total if cp == 1 else -(-total // (2 * cp)) * 2 * cp
 
 
-def sampling_shape_reason(scenario: Scenario) -> str | None:
+def sampling_shape_reason(scenario: Scenario, framework_rows: bool = False) -> str | None:
     """Why NeMo-RL's top-k/top-p path cannot take this scenario's layout, or None. Its
     DistributedLogprobWithSampling moves the rows to a row-parallel layout with an all-to-all:
     B * S (local rows) must divide by tp, and with chunking chunk_size * B too; NeMo-RL gets that
@@ -279,7 +291,7 @@ def sampling_shape_reason(scenario: Scenario) -> str | None:
         batch, rows = len(totals), max(totals)
     else:
         batch, rows = 1, sum(_padded(t, scenario.cp) for t in totals) // scenario.cp
-    if (batch * rows) % scenario.tp:
+    if (batch * rows) % scenario.tp and not framework_rows:
         return (f"NeMo-RL's top-k/top-p path needs B*S={batch * rows} local rows divisible by tp={scenario.tp} "
                 "(it pads sequences to policy.make_sequence_length_divisible_by, a layout shardcheck does not build)")
     chunk = scenario.log_probs_chunk_size
@@ -296,6 +308,10 @@ VARIANTS = {
     "pre_rolled": "from_parallel_logits_to_logprobs_packed_sequences with target_is_pre_rolled=True and the "
                   "targets rolled and CP-sharded outside (NeMo-RL's fused packed loss, "
                   "sequence_packing.fuse_loss), bshd as the default",
+    "fused_loss": "NeMo-RL's fused packed training loss (sequence_packing.fuse_loss): SequencePackingFusionLossWrapper "
+                  "-> prepare_packed_loss_input (_pack_input_ids builds the rolled targets from the unpacked "
+                  "input_ids and the data path's cu_seqlens) -> from_parallel_logits_to_logprobs_packed_sequences; "
+                  "thd and zigzag only",
     "sampling": "the default paths with sampling_params=TrainingSamplingParams(top_k, top_p, temperature) from "
                 "the scenario (DistributedLogprobWithSampling / ChunkedDistributedLogprobWithSampling); a "
                 "scenario without top-k/top-p passes params that filter nothing",
@@ -315,16 +331,32 @@ class NemoRLTarget:
             self.temperature_in_place = config.flag("temperature_in_place")
         except ValueError as exc:
             raise BadInput(f"target 'nemo_rl': {exc}") from None
+        layout = config.get("layout", "framework")
+        if layout not in ("framework", "shardcheck"):
+            raise BadInput(f"target 'nemo_rl': option layout={layout!r}: expected framework or shardcheck")
+        self.layout_option = layout
         self.variant = variant
         self.name = "nemo_rl" if variant is None else f"nemo_rl:{variant}"
         self.src = source(src)
         self.era = detect_era(self.src)
+        self.era["packing"], self.era["fused_loss"] = has_packing(self.src), has_fused_loss(self.src)
         self.commit = source_commit(self.src)
         if variant == "pre_rolled" and not self.era["pre_rolled"]:
             raise BadInput(f"NeMo-RL at {self._short()} has no target_is_pre_rolled (the fused packed loss came "
                            "later): use the default nemo_rl target")
         if variant == "sampling" and not self.era["sampling"]:
             raise BadInput(f"NeMo-RL at {self._short()} takes no sampling_params (top-k/top-p came later)")
+        if variant == "fused_loss" and not self.era["fused_loss"]:
+            raise BadInput(f"NeMo-RL at {self._short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
+                           "later): use nemo_rl:pre_rolled")
+        self.data_path = (NemoRLDataPath(self.src, self._module, self._short())
+                          if layout == "framework" and self.era["packing"] and self.era["packed"] else None)
+        if variant == "fused_loss" and self.data_path is None:
+            raise BadInput(f"target 'nemo_rl:fused_loss' runs on NeMo-RL's own packing ({DATA_FILE}); "
+                           f"{'layout=shardcheck was asked' if layout != 'framework' else 'this checkout has none'}")
+        self.framework_files = tuple(str(f) for f in (MODEL_UTILS, SAMPLING_FILE) if (self.src / f).is_file()) + (
+            (str(DATA_FILE),) if self.data_path is not None else ()) + (
+            (str(LOSS_UTILS_FILE), str(WRAPPER_FILE)) if variant == "fused_loss" else ())
         self.capabilities = self._capabilities()
         self._mod: Any = None
         self._sampling_mod: Any = None
@@ -341,7 +373,11 @@ class NemoRLTarget:
         reasons: dict[str, str] = {
             "allgather": "NeMo-RL has no all-gather CP: its Megatron CP is zigzag (2*cp load-balanced chunks "
                          "per sequence) only"}
-        if self.variant == "per_sequence":
+        if self.variant == "fused_loss":
+            layouts = {"thd", "zigzag"}
+            reasons["bshd"] = ("NeMo-RL's fused packed loss runs with sequence packing only (thd, zigzag): bshd "
+                               "batches take the unfused loss")
+        elif self.variant == "per_sequence":
             layouts.add("thd")
             if era["cp"]:
                 layouts.add("zigzag")
@@ -364,7 +400,7 @@ class NemoRLTarget:
         if cp_sizes is not None:
             kwargs["cp_sizes"] = cp_sizes
         return _Capabilities(
-            layout_reasons=reasons, sampling=self.variant == "sampling",
+            layout_reasons=reasons, sampling=self.variant == "sampling", framework_rows=self.data_path is not None,
             layouts=frozenset(layouts), entropy=bool(era["entropy"]),
             replay_keep=False,
             reasons=(("layout", f"NeMo-RL at {self._short()} supports {', '.join(sorted(layouts))}"),
@@ -393,12 +429,20 @@ class NemoRLTarget:
             "temperature": ("logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
                             else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
             "cp_on_cpu": self.cp_on_cpu,
+            "data_path": self.data_path.name if self.data_path is not None else
+            f"shardcheck's layout ({'layout=shardcheck' if self.layout_option != 'framework' else 'no packing'})",
+            "framework_files": list(self.framework_files),
+            **({"packed_seq_params": f"megatron-core's PackedSeqParams with {', '.join(self.data_path.newer_fields)} "
+                                     "kept as attributes (a newer megatron-core's fields NeMo-RL's packing passes)"}
+               if self.data_path is not None and self.data_path.newer_fields else {}),
         }
 
     def _functions(self) -> dict[str, str]:
         packed = PACKED + (" (target_is_pre_rolled=True)" if self.variant == "pre_rolled" else
                            " (targets rolled inside)")
         thd = f"{LOGPROBS} per sample" if self.variant == "per_sequence" else packed
+        if self.variant == "fused_loss":
+            thd = f"SequencePackingFusionLossWrapper -> {FUSED} -> _pack_input_ids, {PACKED} (target_is_pre_rolled=True)"
         out = {"thd, zigzag": thd, "bshd": LOGPROBS}
         if self.variant == "sampling":
             out["sampling"] = "sampling_params=TrainingSamplingParams(top_k, top_p, temperature)"
@@ -425,7 +469,37 @@ class NemoRLTarget:
 
     @property
     def training_convention(self) -> bool:
-        return self.variant in ("per_sequence", "pre_rolled")
+        return self.variant in ("per_sequence", "pre_rolled", "fused_loss")
+
+    def _packing(self, inputs: RankInputs) -> tuple[list[int], Any, int]:
+        """Each sequence's padded length, the padded packed ``input_ids`` [1, T] and the unpacked
+        width: from NeMo-RL's own packing on the real batch where it laid out the rows, else
+        NeMo-RL's arithmetic on the harness's rows (each sequence padded to 2*cp)."""
+        import torch
+
+        device = inputs.logits.device
+        if inputs.rollout is not None:
+            input_ids, (all_ids, _, _, _, cu_padded) = self.data_path.pack(inputs.rollout.to(device))
+            bounds = [int(b) for b in cu_padded.tolist()]
+            return [b - a for a, b in zip(bounds, bounds[1:])], all_ids, int(input_ids.shape[1])
+        padded = [_padded(total, inputs.cp_size) for total in inputs.total_lengths]
+        target = torch.zeros(1, sum(padded), dtype=inputs.tokens[0].dtype, device=device)
+        lo = 0
+        for toks, length in zip(inputs.tokens, padded):
+            target[0, lo:lo + toks.numel()] = toks.to(device)
+            lo += length
+        return padded, target, max(inputs.total_lengths)
+
+    def _fused(self, mod: Any, logits: Any, inputs: RankInputs, chunk: int | None) -> list[Any]:
+        """NeMo-RL's fused packed loss on the data path's PackedSeqParams: the log-probs its loss
+        receives ([B, S - 1], position p scoring token p + 1), this rank's share of each response."""
+        if getattr(self, "_fused_loss", None) is None:
+            self._fused_loss = NemoRLFusedLoss(self.src, mod, self._sampling_mod)
+        input_ids, (_, _, params, _, _) = self.data_path.pack(inputs.rollout.to(logits.device))
+        out = self._fused_loss(logits, input_ids, params, inputs.tp_rank, inputs.tp_group, inputs.cp_group, chunk)
+        return [out[i, (total - response - 1) + share.to(out.device)]
+                for i, (total, response, share) in enumerate(zip(inputs.total_lengths, inputs.response_lengths,
+                                                                 self._share(inputs)))]
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
         mod = self._module()
@@ -442,7 +516,9 @@ class NemoRLTarget:
                 import torch
 
                 logits = logits.to(torch.float32)
-        if inputs.layout == "bshd":
+        if self.variant == "fused_loss":
+            log_probs = self._fused(mod, logits, inputs, chunk)
+        elif inputs.layout == "bshd":
             log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
         elif self.variant == "per_sequence":
             log_probs = self._per_sequence(mod, logits, inputs, start, end, chunk)
@@ -501,9 +577,10 @@ class NemoRLTarget:
         offset = 0
         out = []
         kwargs = self._kwargs(self._logprobs_params, inputs, chunk, None)
-        for toks, total, response, share in zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths,
-                                                self._share(inputs)):
-            local = _padded(total, cp) // cp
+        padded = self._packing(inputs)[0]
+        for toks, total, response, share, length in zip(inputs.tokens, inputs.total_lengths, inputs.response_lengths,
+                                                        self._share(inputs), padded):
+            local = length // cp
             piece = logits.narrow(1, offset, local)
             offset += local
             lp = getattr(mod, LOGPROBS)(piece, toks.to(logits.device).unsqueeze(0), start, end, inputs.tp_group,
@@ -521,13 +598,13 @@ class NemoRLTarget:
 
         cp = inputs.cp_size
         device = logits.device
+        padded, packed_ids, unpacked = self._packing(inputs)  # unpacked: the unpacked input_ids' width
         bounds = [0]
-        for total in inputs.total_lengths:
-            bounds.append(bounds[-1] + _padded(total, cp))
+        for length in padded:
+            bounds.append(bounds[-1] + length)
         if bounds[-1] // cp != logits.shape[1]:
             raise ValueError(f"nemo_rl: {logits.shape[1]} local rows, NeMo-RL's layout has {bounds[-1] // cp}")
         cu_seqlens_padded = torch.tensor(bounds, dtype=torch.int32, device=device)
-        unpacked = max(inputs.total_lengths)  # the unpacked input_ids' width
         kwargs = self._kwargs(self._packed_params, inputs, chunk, sampling)
         if self.variant == "pre_rolled":
             # prepare_packed_loss_input: each sequence's targets rolled by one and CP-sharded outside
@@ -536,9 +613,7 @@ class NemoRLTarget:
             kwargs["target_is_pre_rolled"] = True
         else:
             # LogprobsPostProcessor: the whole padded packed input_ids, rolled inside NeMo-RL
-            target = torch.zeros(1, bounds[-1], dtype=inputs.tokens[0].dtype, device=device)
-            for toks, lo in zip(inputs.tokens, bounds):
-                target[0, lo:lo + toks.numel()] = toks.to(device)
+            target = packed_ids
         out = getattr(mod, PACKED)(logits, target, cu_seqlens_padded, unpacked, start, end, inputs.tp_group,
                                    **kwargs)
         return [out[i, (total - response - 1) + share.to(out.device)]

@@ -384,13 +384,6 @@ def _mask_rows(inputs: RankInputs) -> Any:
     return mask.view(inputs.logits.shape[:2])
 
 
-def _rollout_on(rollout: Any, device: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(rollout, tokens=[t.to(device) for t in rollout.tokens],
-                               loss_masks=[m.to(device) for m in rollout.loss_masks])
-
-
 def _take(values: Any, rows: list) -> list:
     flat = values.reshape(-1)
     return [flat[r] for r in rows]
@@ -699,7 +692,7 @@ class VerlActorTarget(VerlTarget):
         logits laid out as that packing laid out the rows, its outputs unpacked by
         postprocess_packed_seqs and cut to ``[:, -R-1:-1]``, as the actor does."""
         path = self.data_path
-        rollout = _rollout_on(inputs.rollout, inputs.logits.device)
+        rollout = inputs.rollout.to(inputs.logits.device)
         batch = path.batch(rollout)
         mask, knobs = batch["attention_mask"], rollout.knobs
         packed_seq_params = path.pack(batch["input_ids"], mask, knobs)[1]
@@ -731,7 +724,7 @@ class VerlActorTarget(VerlTarget):
         import torch
 
         path = self.data_path
-        rollout = _rollout_on(inputs.rollout, inputs.logits.device)
+        rollout = inputs.rollout.to(inputs.logits.device)
         knobs, layout = rollout.knobs, rollout.layout
         batch_size = len(rollout.tokens)
         input_ids = path.nested(rollout.tokens)

@@ -215,6 +215,19 @@ def test_variants_and_options_are_listed_and_checked(tmp_path, no_cuda):
     assert described["version"].startswith("checkout ") and "logprobs_params" not in described["era"]
 
 
+def test_the_data_path_and_the_fused_loss_follow_the_checkout(tmp_path, no_cuda):
+    """Without NeMo-RL's packing (data.py) the harness lays the rows out and the fused loss is not
+    offered; a layout option other than framework or shardcheck is one line of bad input."""
+    src = str(_fake_checkout(tmp_path, NEW))
+    plain = nemo_rl.target(None, TargetConfig(src))
+    assert plain.data_path is None and plain.describe()["data_path"] == "shardcheck's layout (no packing)"
+    assert plain.framework_files == ("nemo_rl/distributed/model_utils.py",)
+    with pytest.raises(BadInput, match="has no fused packed loss"):
+        nemo_rl.target("fused_loss", TargetConfig(src))
+    with pytest.raises(BadInput, match="option layout='mine': expected framework or shardcheck"):
+        nemo_rl.target(None, TargetConfig(src, (("layout", "mine"),)))
+
+
 # ---- against a real checkout ----------------------------------------------------------------
 
 def _run(tmp_path, target: str, *args: str) -> tuple:
@@ -317,3 +330,77 @@ def test_the_half_precision_gradient_fixed_at_df31c1bf4(tmp_path):
                               export_commit(os.environ[REPO_ENV], FIX, tmp_path / "fix", "nemo_rl"),
                               *scenario)
     assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# NeMo-RL's own data path (_pack_sequences_for_megatron) and its fused packed loss
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_nemo_rls_packing_lays_out_the_packed_rows(tmp_path):
+    """thd rows are laid out by NeMo-RL's _pack_sequences_for_megatron (each sequence padded to
+    make_sequence_length_divisible_by, tp by default), bshd by shardcheck with the reason; the
+    knobs move the padding and the run still passes; the fused packed loss passes too."""
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl", "--suite", "smoke", "--scenario", "thd-tp2cp1-bf16",
+                               "--scenario", "bshd-tp2cp1-basic")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    name = "nemo_rl/models/megatron/data.py:_pack_sequences_for_megatron"
+    assert doc["target"]["data_path"] == name
+    assert verdicts["thd-tp2cp1-bf16"]["layout_built_by"] == name
+    assert "NeMo-RL packs with sequence packing only" in verdicts["bshd-tp2cp1-basic"]["layout_note"]
+    base = {"samples": [[23, 9], [14, 6], [5, 2]], "vocab": 64, "tp": 2, "seed": 5}
+    scenarios = tmp_path / "knobs.json"
+    scenarios.write_text(json.dumps([
+        dict(base, name="divisible-by-8", layout_knobs={"make_sequence_length_divisible_by": 8}),
+        dict(base, name="bucket-64", layout_knobs={"pad_packed_seq_to_multiple_of": 64}),
+        dict(base, name="pipeline-pad", layout_knobs={"pad_packed_seq_to": 96})]))
+    for variant in ("nemo_rl", "nemo_rl:per_sequence", "nemo_rl:pre_rolled", "nemo_rl:fused_loss"):
+        proc, verdicts, doc = _run(tmp_path, variant, "--scenario-file", str(scenarios))
+        assert proc.returncode == 0, variant + proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert all(v["layout_built_by"] == name for v in doc["scenarios"]), variant
+        # local rows: 23, 14, 5 padded to 8 (24 + 16 + 8); to 2 with the stream to 64; to 96 in all
+        assert {n: v["layouts"]["0"]["shape"][1] for n, v in verdicts.items()} == {
+            "divisible-by-8": 48, "bucket-64": 64, "pipeline-pad": 96}, variant
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([dict(base, name="bad", layout_knobs={"pad_packed_seq_to_multiple_of": 0})]))
+    proc, _, _ = _run(tmp_path, "nemo_rl", "--scenario-file", str(bad))
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "layout knob pad_packed_seq_to_multiple_of must be an integer >= 1, got 0" in proc.stderr
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps([dict(base, name="unknown", layout_knobs={"pad_multiplier": 2})]))
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl", "--scenario-file", str(unknown), "--allow-all-skipped")
+    assert "has no layout knob pad_multiplier" in verdicts["unknown"]["reason"]
+
+
+PR_3182 = "4d756fe39"  # "fix: handle inflated packed sequence lengths in input-id packing (#3182)"
+
+
+@needs_history
+@pytest.mark.world
+def test_the_inflated_last_sequence_fixed_at_4d756fe39(tmp_path):
+    """NeMo-RL's packer gives the packed stream's alignment padding (pad_packed_seq_to_multiple_of,
+    FP8 or HybridEP) to the last sequence; before #3182 the fused loss's _pack_input_ids copied that
+    inflated length out of the unpacked input_ids, wider than its rows: a crash in NeMo-RL's own
+    data path, reached only through its packing and its fused loss."""
+    scenarios = tmp_path / "inflated.json"
+    scenarios.write_text(json.dumps([{"name": "packed-last-inflated", "samples": [[5, 2], [11, 4]], "vocab": 32,
+                                      "layout_knobs": {"pad_packed_seq_to_multiple_of": 32}, "seed": 3182}]))
+    repo = os.environ[REPO_ENV]
+    parent, verdicts, doc = _run(tmp_path, "nemo_rl:fused_loss", "--nemo-rl-src",
+                                 export_commit(repo, f"{PR_3182}~1", tmp_path / "parent", "nemo_rl"),
+                                 "--scenario-file", str(scenarios))
+    assert parent.returncode == 1, parent.stdout[-2000:] + parent.stderr[-2000:]
+    failure = verdicts["packed-last-inflated"]["failures"][0]
+    assert failure["kind"] == "rank_error", failure
+    assert "The expanded size of the tensor (27) must match the existing size (11)" in failure["message"]
+    assert "loss/utils.py" in failure["message"] and "in _pack_input_ids" in failure["message"]
+    assert verdicts["packed-last-inflated"]["layout_built_by"].endswith("_pack_sequences_for_megatron")
+    fixed, verdicts, _ = _run(tmp_path, "nemo_rl:fused_loss", "--nemo-rl-src",
+                              export_commit(repo, PR_3182, tmp_path / "fix", "nemo_rl"), "--scenario-file", str(scenarios))
+    assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
+    assert verdicts["packed-last-inflated"]["verdict"] == "pass"
+    # the harness's own rows never reach it: the default variant at the parent passes
+    default, verdicts, _ = _run(tmp_path, "nemo_rl", "--nemo-rl-src", str(tmp_path / "parent"),
+                                "--scenario-file", str(scenarios))
+    assert default.returncode == 0 and verdicts["packed-last-inflated"]["verdict"] == "pass"

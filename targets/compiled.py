@@ -1,0 +1,56 @@
+"""A framework's functions or classes compiled alone from their own file.
+
+The modules around a framework's data-path and loss functions import its whole training stack
+(ray, transformers, megatron-bridge, its config system). Compiling just the definitions checked,
+from the checkout's file with its path and line numbers kept, runs the framework's own code
+(tracebacks, coverage and in-place write sites name its lines) without importing the rest.
+Annotations are not evaluated (``from __future__ import annotations``), so a type named only in a
+signature needs nothing; every other name the definitions read from outside themselves must be
+given, or this raises before anything runs (the adapter's error, never the framework's).
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import builtins
+import symtable
+from pathlib import Path
+from typing import Any, Iterable
+
+_BUILTINS = frozenset(dir(builtins))
+
+
+def _reads(table: symtable.SymbolTable) -> set[str]:
+    """Global names read anywhere inside ``table`` (its functions, methods, nested scopes)."""
+    out = {s.get_name() for s in table.get_symbols()
+           if (s.is_global() or (s.is_free() and table.get_type() == "class")) and s.is_referenced()}
+    for child in table.get_children():
+        out |= _reads(child)
+    return out
+
+
+def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any]) -> dict[str, Any]:
+    """The top-level definitions ``names`` of ``path``, compiled alone into a namespace holding
+    ``given``; LookupError naming what is missing (a definition, or a name they read)."""
+    wanted = list(names)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    absent = [n for n in wanted if n not in defs]
+    if absent:
+        raise LookupError(f"{path}: no top-level {', '.join(absent)}")
+    nodes = sorted((defs[n] for n in wanted), key=lambda n: n.lineno)
+    module = ast.Module(body=nodes, type_ignores=[])
+    code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(path), "exec")
+    reads: set[str] = set()
+    for child in table.get_children():
+        reads |= _reads(child)
+    # decorators and base classes are read at module level
+    reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()} - {"annotations"}
+    missing = sorted(reads - set(given) - set(wanted) - _BUILTINS)
+    if missing:
+        raise LookupError(f"{path}: {', '.join(wanted)} read {', '.join(missing)}, which the adapter does not give")
+    namespace: dict[str, Any] = {"__name__": f"shardcheck_compiled_{path.stem}", "__file__": str(path), **given}
+    exec(code, namespace)  # noqa: S102 - the framework's own definitions, from its file
+    return namespace

@@ -1,0 +1,220 @@
+"""NeMo-RL's own data path and fused packed loss, from the target's checkout.
+
+- The data path: ``_pack_sequences_for_megatron`` (``nemo_rl/models/megatron/data.py``), as
+  ``process_microbatch`` calls it with sequence packing on: the micro-batch's ``input_ids``
+  ``[B, S]`` (right-padded with 0, S the longest sequence rounded up to
+  ``make_sequence_length_divisible_by``) and its ``input_lengths``, each sequence padded to
+  ``pad_individual_seqs_to_multiple_of``, the packed stream to ``pad_packed_seq_to_multiple_of`` or
+  to ``pad_packed_seq_to`` (the padding goes to the last sequence), each sequence cut into zigzag
+  chunks with CP rank and size from megatron-core's ``parallel_state``, as NeMo-RL asks them.
+- The fused packed loss (``sequence_packing.fuse_loss``): ``SequencePackingFusionLossWrapper``
+  (``nemo_rl/algorithms/loss/wrapper.py``) with ``prepare_packed_loss_input``
+  (``nemo_rl/algorithms/loss/utils.py``), which builds the rolled targets with ``_pack_input_ids``
+  from the unpacked ``input_ids`` and the ``PackedSeqParams`` of the data path, then calls
+  ``from_parallel_logits_to_logprobs_packed_sequences`` (``target_is_pre_rolled=True``).
+
+These functions are compiled alone from their files (:mod:`shardcheck.targets.compiled`): their
+modules import megatron-bridge, transformers and NeMo-RL's config stack. Nothing of NeMo-RL's is
+wrapped, cast or patched; what its functions raise propagates.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from shardcheck.scenarios.scenario import Scenario
+from shardcheck.targets.base import Knob, Rollout, positive_int
+from shardcheck.targets.compiled import compile_alone
+
+DATA_FILE = Path("nemo_rl/models/megatron/data.py")
+COMMON_FILE = Path("nemo_rl/models/megatron/common.py")
+LOSS_UTILS_FILE = Path("nemo_rl/algorithms/loss/utils.py")
+WRAPPER_FILE = Path("nemo_rl/algorithms/loss/wrapper.py")
+INTERFACES_FILE = Path("nemo_rl/algorithms/loss/interfaces.py")
+ALGORITHM_UTILS_FILE = Path("nemo_rl/algorithms/utils.py")
+PACK = "_pack_sequences_for_megatron"
+FUSED_PREPARE = "prepare_packed_loss_input"
+FUSED_WRAPPER = "SequencePackingFusionLossWrapper"
+
+
+def _top_level(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def has_packing(src: Path) -> bool:
+    return PACK in _top_level(src / DATA_FILE) and "_round_up_to_multiple" in _top_level(src / COMMON_FILE)
+
+
+def has_fused_loss(src: Path) -> bool:
+    return (FUSED_PREPARE in _top_level(src / LOSS_UTILS_FILE) and FUSED_WRAPPER in _top_level(src / WRAPPER_FILE)
+            and "LossInputType" in _top_level(src / INTERFACES_FILE))
+
+
+def _positive_or_none(value: Any) -> str | None:
+    return None if value is None else positive_int(value)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class NemoRLDataPath:
+    """NeMo-RL's sequence packing for Megatron (thd, zigzag CP)."""
+
+    name = f"{DATA_FILE}:{PACK}"
+
+    def __init__(self, src: Path, model_utils: Callable[[], Any], commit: str) -> None:
+        self.src = src
+        self._model_utils = model_utils  # the target's import of model_utils (and its release)
+        self._commit = commit
+        self._pack: Any = None
+        self.newer_fields: list[str] = []
+
+    def knobs(self) -> dict[str, Knob]:
+        return {
+            "make_sequence_length_divisible_by": Knob(
+                None, "policy.make_sequence_length_divisible_by: each sequence padded to a multiple of it (the "
+                      "packer's pad_individual_seqs_to_multiple_of); None: NeMo-RL's Megatron default, tp (its "
+                      "GRPO configs), times 2*cp under CP (the least its packer accepts)", _positive_or_none),
+            "pad_packed_seq_to_multiple_of": Knob(
+                1, "the packed stream padded to a multiple of it, the padding given to the last sequence "
+                   "(_get_pack_sequence_parameters_for_megatron derives it from the FP8 recipe: 16, 32 or 128, "
+                   "and HybridEP: 128, times 2*cp and tp with sequence parallel); 1: off", positive_int),
+            "pad_packed_seq_to": Knob(
+                None, "the packed stream padded to this length (pipeline parallel: the batch's longest); "
+                      "None: off", _positive_or_none),
+        }
+
+    def builds(self, scenario: Scenario) -> str | None:
+        if scenario.layout == "bshd":
+            return "NeMo-RL packs with sequence packing only (thd, zigzag): a bshd batch is laid out by shardcheck"
+        if scenario.layout == "allgather":
+            return "NeMo-RL has no all-gather CP of its own; rows laid out by shardcheck"
+        return None
+
+    def packed_seq_params(self) -> tuple[Any, list[str]]:
+        """megatron-core's PackedSeqParams, and the keywords the checkout's packing passes that the
+        installed megatron-core does not take (a newer megatron's fields, e.g. ``total_tokens``).
+        Where there are some, a subclass that keeps them as plain attributes stands in: the
+        packing's own code runs unchanged, and the report says so."""
+        import dataclasses
+
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        tree = ast.parse((self.src / DATA_FILE).read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == PACK)
+        passed = {k.arg for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id == "PackedSeqParams" for k in n.keywords if k.arg}
+        missing = sorted(passed - {f.name for f in dataclasses.fields(PackedSeqParams)})
+        if not missing:
+            return PackedSeqParams, []
+
+        class NewerPackedSeqParams(PackedSeqParams):  # the fields this megatron-core lacks, kept as attributes
+            def __init__(self, **kwargs: Any) -> None:
+                extra = {k: kwargs.pop(k) for k in missing if k in kwargs}
+                super().__init__(**kwargs)
+                self.__dict__.update(extra)
+
+        return NewerPackedSeqParams, missing
+
+    def _function(self) -> Any:
+        if self._pack is None:
+            params_class, self.newer_fields = self.packed_seq_params()
+            common = compile_alone(self.src / COMMON_FILE, ["_round_up_to_multiple"], {})
+            ns = compile_alone(self.src / DATA_FILE, [PACK], {
+                "torch": torch, "PackedSeqParams": params_class,
+                "_round_up_to_multiple": common["_round_up_to_multiple"],
+                "_get_tokens_on_this_cp_rank": self._model_utils()._get_tokens_on_this_cp_rank})
+            self._pack = ns[PACK]
+        return self._pack
+
+    @staticmethod
+    def divisible_by(knobs: dict[str, Any], tp: int, cp: int) -> int:
+        given = knobs.get("make_sequence_length_divisible_by")
+        return given if given is not None else tp * (2 * cp if cp > 1 else 1)
+
+    def batch(self, rollout: Rollout, tp: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch as NeMo-RL's packing receives it: ``input_ids`` [B, S] right-padded
+        with 0 (S: the longest sequence rounded up to make_sequence_length_divisible_by) and
+        ``input_lengths``."""
+        width = _round_up(max(rollout.total_lengths), self.divisible_by(rollout.knobs, tp, cp))
+        device = rollout.tokens[0].device
+        input_ids = torch.zeros(len(rollout.tokens), width, dtype=rollout.tokens[0].dtype, device=device)
+        for i, tokens in enumerate(rollout.tokens):
+            input_ids[i, : tokens.numel()] = tokens
+        return input_ids, torch.tensor(rollout.total_lengths, dtype=torch.int32, device=device)
+
+    def pack(self, rollout: Rollout) -> tuple[torch.Tensor, tuple]:
+        """``input_ids`` [B, S] and what ``_pack_sequences_for_megatron`` returns for it on this
+        rank: (all_input_ids, local input_ids, PackedSeqParams, cu_seqlens, cu_seqlens_padded)."""
+        from megatron.core import parallel_state as mpu
+
+        tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
+        input_ids, lengths = self.batch(rollout, tp, cp)
+        knobs = rollout.knobs
+        out = self._function()(input_ids, lengths, self.divisible_by(knobs, tp, cp),
+                               knobs.get("pad_packed_seq_to_multiple_of", 1), knobs.get("pad_packed_seq_to"),
+                               cp_rank=mpu.get_context_parallel_rank(), cp_size=cp)
+        return input_ids, out
+
+    def local_tokens(self, rollout: Rollout) -> torch.Tensor:
+        return self.pack(rollout)[1][1][0]
+
+
+class _RecordLogprobs:
+    """Stands in for NeMo-RL's loss (ClippedPGLossFn and the rest) behind the wrapper: it takes what
+    the wrapper hands a LOGPROB loss and returns ``next_token_logprobs``, so that the harness's
+    loss is differentiated through NeMo-RL's preparation of them."""
+
+    def __init__(self, input_type: Any) -> None:
+        self.input_type = input_type
+
+    def __call__(self, data: Any, global_valid_seqs: Any, global_valid_toks: Any, next_token_logprobs: Any,
+                 **rest: Any) -> tuple[Any, dict]:
+        return next_token_logprobs, {}
+
+
+class NemoRLFusedLoss:
+    """NeMo-RL's fused packed loss path, from its files."""
+
+    def __init__(self, src: Path, model_utils: Any, sampling: Any) -> None:
+        if sampling is None or not hasattr(sampling, "need_top_k_or_top_p_filtering"):
+            raise LookupError(f"{src}: no nemo_rl/algorithms/logits_sampling_utils.need_top_k_or_top_p_filtering")
+        interfaces = compile_alone(src / INTERFACES_FILE, ["LossInputType"], {"enum": enum})
+        algorithms = compile_alone(src / ALGORITHM_UTILS_FILE, ["mask_out_neg_inf_logprobs"], {"torch": torch})
+        self.LossInputType = interfaces["LossInputType"]
+        utils = compile_alone(src / LOSS_UTILS_FILE, ["_pack_input_ids", FUSED_PREPARE], {
+            "torch": torch, "LossInputType": self.LossInputType,
+            "_get_tokens_on_this_cp_rank": model_utils._get_tokens_on_this_cp_rank,
+            "from_parallel_logits_to_logprobs_packed_sequences":
+                model_utils.from_parallel_logits_to_logprobs_packed_sequences,
+            "mask_out_neg_inf_logprobs": algorithms["mask_out_neg_inf_logprobs"],
+            "need_top_k_or_top_p_filtering": sampling.need_top_k_or_top_p_filtering})
+        self.prepare = utils[FUSED_PREPARE]
+        self.wrapper = compile_alone(src / WRAPPER_FILE, [FUSED_WRAPPER], {"torch": torch})[FUSED_WRAPPER]
+
+    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, packed_seq_params: Any, tp_rank: int,
+                 tp_group: Any, cp_group: Any, chunk_size: int | None) -> torch.Tensor:
+        """``next_token_logprobs`` [B, S - 1] (every CP rank's, gathered), as NeMo-RL's loss
+        receives them from the wrapper: the megatron train step's LossPostProcessor passes the
+        data path's ``cu_seqlens_q`` and ``cu_seqlens_q_padded`` and the TP and CP groups."""
+        import inspect
+        from functools import partial
+
+        params = inspect.signature(self.prepare).parameters
+        settings = {k: v for k, v in (("sampling_params", None), ("chunk_size", chunk_size)) if k in params}
+        wrapped = self.wrapper(
+            loss_fn=_RecordLogprobs(self.LossInputType.LOGPROB),
+            prepare_fn=partial(self.prepare, **settings),
+            cu_seqlens_q=packed_seq_params.cu_seqlens_q, cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q_padded,
+            vocab_parallel_rank=tp_rank, vocab_parallel_group=tp_group, context_parallel_group=cp_group)
+        logprobs, _ = wrapped(logits, {"input_ids": input_ids}, None, None)
+        return logprobs
