@@ -190,6 +190,39 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class Definitions:
+    """How a framework defines what it returns, where that differs from the reference's default;
+    the reference follows, and every report says which definition was checked (an adapter never
+    converts an output to the default itself).
+
+    ``entropy_sign``: -1 where the framework's entropy is ``sum p log p`` (the negative entropy);
+    the reference's entropy and its entropy term's gradient are then negated."""
+
+    entropy_sign: int = 1
+    entropy_source: str = ""  # whose definition, e.g. "NeMo-RL's ChunkedDistributedEntropy"
+
+    def describe(self) -> dict[str, str]:
+        if self.entropy_sign == 1:
+            return {}
+        return {"entropy": f"sum p log p, the negative entropy ({self.entropy_source}); the reference's entropy "
+                           "and its gradient are negated to match"}
+
+
+def definitions(target: Any) -> Definitions:
+    """The definitions ``target`` declares (the reference's defaults where it declares none)."""
+    return getattr(target, "definitions", None) or Definitions()
+
+
+def description(target: Any) -> dict[str, Any]:
+    """``target.describe()`` with the definitions it declares, for every report."""
+    out = dict(target.describe())
+    declared = definitions(target).describe()
+    if declared:
+        out["definitions"] = declared
+    return out
+
+
+@dataclass(frozen=True)
 class Knob:
     """A knob of a framework's data path that changes its layout: its default (the framework's)
     and what a value must be (``check`` returns why a value is wrong, or None)."""

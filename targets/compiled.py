@@ -30,9 +30,19 @@ def _reads(table: symtable.SymbolTable) -> set[str]:
     return out
 
 
-def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any]) -> dict[str, Any]:
+def _not_loaded(name: str, path: Path) -> Any:
+    def absent(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"shardcheck did not load {name} (read by {path.name}): this path was not expected "
+                           "to call it")
+    return absent
+
+
+def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any],
+                  off_path: Iterable[str] = ()) -> dict[str, Any]:
     """The top-level definitions ``names`` of ``path``, compiled alone into a namespace holding
-    ``given``; LookupError naming what is missing (a definition, or a name they read)."""
+    ``given``; LookupError naming what is missing (a definition, or a name they read). Names in
+    ``off_path`` (read only on branches the adapter does not take) are bound to a function that
+    raises, naming itself, if it is ever called."""
     wanted = list(names)
     tree = ast.parse(path.read_text(), filename=str(path))
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
@@ -48,9 +58,10 @@ def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any]) -> di
         reads |= _reads(child)
     # decorators and base classes are read at module level
     reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()} - {"annotations"}
-    missing = sorted(reads - set(given) - set(wanted) - _BUILTINS)
+    missing = sorted(reads - set(given) - set(wanted) - set(off_path) - _BUILTINS)
     if missing:
         raise LookupError(f"{path}: {', '.join(wanted)} read {', '.join(missing)}, which the adapter does not give")
-    namespace: dict[str, Any] = {"__name__": f"shardcheck_compiled_{path.stem}", "__file__": str(path), **given}
+    namespace: dict[str, Any] = {"__name__": f"shardcheck_compiled_{path.stem}", "__file__": str(path),
+                                 **{n: _not_loaded(n, path) for n in off_path}, **given}
     exec(code, namespace)  # noqa: S102 - the framework's own definitions, from its file
     return namespace

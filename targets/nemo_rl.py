@@ -11,8 +11,10 @@ What is checked, from ``nemo_rl/distributed/model_utils.py``:
   ``per_sequence`` variant), with ``chunk_size`` (``ChunkedDistributedLogprob``) or without
   (``DistributedLogprob``), and CP through ``AllGatherCPTensor``;
 - ``ChunkedDistributedEntropy``, which returns ``sum_v p_v log p_v``: the NEGATIVE entropy. The
-  adapter negates it (``entropy = -ChunkedDistributedEntropy(...)``) on the rank's own rows; no CP
-  gather is needed for a per-row quantity, so none is made.
+  target declares that definition (``Definitions(entropy_sign=-1)``): the reference's entropy and
+  its gradient follow, the report says which definition was checked, and the adapter returns
+  NeMo-RL's values as they are, on the rank's own rows; no CP gather is needed for a per-row
+  quantity, so none is made.
 
 Variants, each one of NeMo-RL's calling conventions: the default and ``sampling`` call as its
 ``LogprobsPostProcessor`` does (the logits as they come, ``chunk_size`` as configured);
@@ -72,9 +74,10 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
+from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
+                                     source_commit)
 from shardcheck.targets.nemo_rl_data import (DATA_FILE, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath, NemoRLFusedLoss,
-                                             has_fused_loss, has_packing)
+                                             NemoRLUnfusedLoss, has_fused_loss, has_packing, has_unfused_loss)
 from shardcheck.targets.stub import Stub
 
 ENV = "SHARDCHECK_NEMO_RL_SRC"
@@ -302,9 +305,10 @@ def sampling_shape_reason(scenario: Scenario, framework_rows: bool = False) -> s
 
 
 VARIANTS = {
-    "per_sequence": "from_parallel_logits_to_logprobs on each sample's logits slice for thd/zigzag (NeMo-RL's "
-                    "default packed training path: SequencePackingLossWrapper -> prepare_loss_input -> "
-                    "get_next_token_logprobs_from_logits), bshd as the default",
+    "per_sequence": "NeMo-RL's default packed training path for thd/zigzag: SequencePackingLossWrapper -> "
+                    "prepare_loss_input -> get_next_token_logprobs_from_logits -> from_parallel_logits_to_logprobs "
+                    "on each sample's logits slice (where the checkout has them, else that last call per sample), "
+                    "bshd as the default",
     "pre_rolled": "from_parallel_logits_to_logprobs_packed_sequences with target_is_pre_rolled=True and the "
                   "targets rolled and CP-sharded outside (NeMo-RL's fused packed loss, "
                   "sequence_packing.fuse_loss), bshd as the default",
@@ -340,6 +344,7 @@ class NemoRLTarget:
         self.src = source(src)
         self.era = detect_era(self.src)
         self.era["packing"], self.era["fused_loss"] = has_packing(self.src), has_fused_loss(self.src)
+        self.era["unfused_loss"] = has_unfused_loss(self.src)
         self.commit = source_commit(self.src)
         if variant == "pre_rolled" and not self.era["pre_rolled"]:
             raise BadInput(f"NeMo-RL at {self._short()} has no target_is_pre_rolled (the fused packed loss came "
@@ -356,8 +361,10 @@ class NemoRLTarget:
                            f"{'layout=shardcheck was asked' if layout != 'framework' else 'this checkout has none'}")
         self.framework_files = tuple(str(f) for f in (MODEL_UTILS, SAMPLING_FILE) if (self.src / f).is_file()) + (
             (str(DATA_FILE),) if self.data_path is not None else ()) + (
-            (str(LOSS_UTILS_FILE), str(WRAPPER_FILE)) if variant == "fused_loss" else ())
+            (str(LOSS_UTILS_FILE), str(WRAPPER_FILE)) if self._through_loss() else ())
         self.capabilities = self._capabilities()
+        # ChunkedDistributedEntropy returns sum p log p: the reference follows, the adapter never negates
+        self.definitions = Definitions(entropy_sign=-1, entropy_source=f"NeMo-RL's {ENTROPY}")
         self._mod: Any = None
         self._sampling_mod: Any = None
         self._undo: list[Any] = []
@@ -425,7 +432,8 @@ class NemoRLTarget:
             "stubbed_modules": self.stubs,
             "package_inits_not_run": self.package_inits_not_run,
             "functions": self._functions(),
-            "entropy": f"-{ENTROPY} (it returns sum p log p, the negative entropy; the adapter negates it)",
+            "entropy": f"{ENTROPY} (sum p log p, the negative entropy, as NeMo-RL defines it)",
+            "definitions": self.definitions.describe(),
             "temperature": ("logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
                             else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
             "cp_on_cpu": self.cp_on_cpu,
@@ -443,6 +451,8 @@ class NemoRLTarget:
         thd = f"{LOGPROBS} per sample" if self.variant == "per_sequence" else packed
         if self.variant == "fused_loss":
             thd = f"SequencePackingFusionLossWrapper -> {FUSED} -> _pack_input_ids, {PACKED} (target_is_pre_rolled=True)"
+        elif self._through_loss():
+            thd = f"SequencePackingLossWrapper -> prepare_loss_input -> get_next_token_logprobs_from_logits -> {LOGPROBS}"
         out = {"thd, zigzag": thd, "bshd": LOGPROBS}
         if self.variant == "sampling":
             out["sampling"] = "sampling_params=TrainingSamplingParams(top_k, top_p, temperature)"
@@ -471,6 +481,12 @@ class NemoRLTarget:
     def training_convention(self) -> bool:
         return self.variant in ("per_sequence", "pre_rolled", "fused_loss")
 
+    def _through_loss(self) -> bool:
+        """Whether thd/zigzag rows go through NeMo-RL's loss wrapper and its preparation (which cast
+        the logits themselves) rather than the adapter calling the log-prob functions."""
+        return self.data_path is not None and (
+            self.variant == "fused_loss" or (self.variant == "per_sequence" and self.era["unfused_loss"]))
+
     def _packing(self, inputs: RankInputs) -> tuple[list[int], Any, int]:
         """Each sequence's padded length, the padded packed ``input_ids`` [1, T] and the unpacked
         width: from NeMo-RL's own packing on the real batch where it laid out the rows, else
@@ -490,14 +506,17 @@ class NemoRLTarget:
             lo += length
         return padded, target, max(inputs.total_lengths)
 
-    def _fused(self, mod: Any, logits: Any, inputs: RankInputs, chunk: int | None) -> list[Any]:
-        """NeMo-RL's fused packed loss on the data path's PackedSeqParams: the log-probs its loss
-        receives ([B, S - 1], position p scoring token p + 1), this rank's share of each response."""
-        if getattr(self, "_fused_loss", None) is None:
-            self._fused_loss = NemoRLFusedLoss(self.src, mod, self._sampling_mod)
+    def _through_wrapper(self, mod: Any, logits: Any, inputs: RankInputs, chunk: int | None) -> list[Any]:
+        """NeMo-RL's packed loss wrapper on the data path's PackedSeqParams, fused (one
+        [B, S - 1] for the batch) or not (one [1, L - 1] per sequence): the log-probs its loss
+        receives (position p scoring token p + 1), this rank's share of each response."""
+        if getattr(self, "_loss_path", None) is None:
+            kind = NemoRLFusedLoss if self.variant == "fused_loss" else NemoRLUnfusedLoss
+            self._loss_path = kind(self.src, mod, self._sampling_mod)
         input_ids, (_, _, params, _, _) = self.data_path.pack(inputs.rollout.to(logits.device))
-        out = self._fused_loss(logits, input_ids, params, inputs.tp_rank, inputs.tp_group, inputs.cp_group, chunk)
-        return [out[i, (total - response - 1) + share.to(out.device)]
+        out = self._loss_path(logits, input_ids, params, inputs.tp_rank, inputs.tp_group, inputs.cp_group, chunk)
+        rows = list(out) if self.variant == "fused_loss" else [seq[0] for seq in out]
+        return [rows[i][(total - response - 1) + share.to(logits.device)]
                 for i, (total, response, share) in enumerate(zip(inputs.total_lengths, inputs.response_lengths,
                                                                  self._share(inputs)))]
 
@@ -511,13 +530,14 @@ class NemoRLTarget:
         start, end = inputs.tp_rank * v_local, (inputs.tp_rank + 1) * v_local
         sampling = self._sampling_params(inputs) if self.variant == "sampling" else None
         entropy_logits = logits
-        if self.training_convention:
+        through_loss = self._through_loss() and inputs.rollout is not None
+        if self.training_convention and not through_loss:
             if chunk is None:
                 import torch
 
                 logits = logits.to(torch.float32)
-        if self.variant == "fused_loss":
-            log_probs = self._fused(mod, logits, inputs, chunk)
+        if through_loss:
+            log_probs = self._through_wrapper(mod, logits, inputs, chunk)
         elif inputs.layout == "bshd":
             log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
         elif self.variant == "per_sequence":
@@ -533,7 +553,7 @@ class NemoRLTarget:
             # min(local rows, 1024); a scenario's chunk size is used where it sets one
             ent_chunk = chunk or max(1, min(int(entropy_logits.shape[1]), 1024))
             neg = getattr(mod, ENTROPY).apply(entropy_logits, ent_chunk, inputs.tp_group, False)
-            flat = -neg.reshape(-1)  # sum p log p is the negative entropy
+            flat = neg.reshape(-1)  # sum p log p: NeMo-RL's definition, declared in self.definitions
             entropy = [flat[r] for r in rows]
         return RankOutputs(log_probs, entropy)
 

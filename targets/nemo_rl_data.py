@@ -40,6 +40,8 @@ ALGORITHM_UTILS_FILE = Path("nemo_rl/algorithms/utils.py")
 PACK = "_pack_sequences_for_megatron"
 FUSED_PREPARE = "prepare_packed_loss_input"
 FUSED_WRAPPER = "SequencePackingFusionLossWrapper"
+UNFUSED_PREPARE = "prepare_loss_input"
+UNFUSED_WRAPPER = "SequencePackingLossWrapper"
 
 
 def _top_level(path: Path) -> set[str]:
@@ -51,6 +53,11 @@ def _top_level(path: Path) -> set[str]:
 
 def has_packing(src: Path) -> bool:
     return PACK in _top_level(src / DATA_FILE) and "_round_up_to_multiple" in _top_level(src / COMMON_FILE)
+
+
+def has_unfused_loss(src: Path) -> bool:
+    return (UNFUSED_PREPARE in _top_level(src / LOSS_UTILS_FILE) and UNFUSED_WRAPPER in _top_level(src / WRAPPER_FILE)
+            and "LossInputType" in _top_level(src / INTERFACES_FILE))
 
 
 def has_fused_loss(src: Path) -> bool:
@@ -170,16 +177,28 @@ class NemoRLDataPath:
 
 
 class _RecordLogprobs:
-    """Stands in for NeMo-RL's loss (ClippedPGLossFn and the rest) behind the wrapper: it takes what
-    the wrapper hands a LOGPROB loss and returns ``next_token_logprobs``, so that the harness's
-    loss is differentiated through NeMo-RL's preparation of them."""
+    """Stands in for NeMo-RL's loss (ClippedPGLossFn and the rest) behind the wrapper: it keeps the
+    ``next_token_logprobs`` the wrapper hands a LOGPROB loss (one call per sequence unfused, one
+    for the batch fused), so that the harness's loss is differentiated through NeMo-RL's
+    preparation of them; the loss it returns is 0."""
 
     def __init__(self, input_type: Any) -> None:
         self.input_type = input_type
+        self.seen: list[Any] = []
 
     def __call__(self, data: Any, global_valid_seqs: Any, global_valid_toks: Any, next_token_logprobs: Any,
                  **rest: Any) -> tuple[Any, dict]:
-        return next_token_logprobs, {}
+        self.seen.append(next_token_logprobs)
+        return next_token_logprobs.new_zeros(()), {}
+
+
+class _Batch(dict):
+    """The micro-batch the unfused wrapper slices per sequence: a dict of unpacked [B, ...] tensors
+    with ``BatchedDataDict.slice``'s semantics (each tensor's rows start:end). The adapter's stand-in
+    for NeMo-RL's container (its module imports NeMo-RL's data stack)."""
+
+    def slice(self, start: int, end: int) -> "_Batch":
+        return _Batch({k: v[start:end] for k, v in self.items()})
 
 
 class NemoRLFusedLoss:
@@ -212,9 +231,51 @@ class NemoRLFusedLoss:
         params = inspect.signature(self.prepare).parameters
         settings = {k: v for k, v in (("sampling_params", None), ("chunk_size", chunk_size)) if k in params}
         wrapped = self.wrapper(
-            loss_fn=_RecordLogprobs(self.LossInputType.LOGPROB),
-            prepare_fn=partial(self.prepare, **settings),
+            loss_fn=_RecordLogprobs(self.LossInputType.LOGPROB), prepare_fn=partial(self.prepare, **settings),
             cu_seqlens_q=packed_seq_params.cu_seqlens_q, cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q_padded,
             vocab_parallel_rank=tp_rank, vocab_parallel_group=tp_group, context_parallel_group=cp_group)
-        logprobs, _ = wrapped(logits, {"input_ids": input_ids}, None, None)
-        return logprobs
+        recorder = wrapped.loss_fn
+        wrapped(logits, {"input_ids": input_ids}, None, None)
+        return recorder.seen[0]
+
+
+class NemoRLUnfusedLoss:
+    """NeMo-RL's unfused packed loss path (``sequence_packing`` without ``fuse_loss``):
+    ``SequencePackingLossWrapper`` cuts each sequence's logits out of the packed rows by
+    ``cu_seqlens_q_padded`` and calls ``prepare_loss_input``, which calls
+    ``get_next_token_logprobs_from_logits`` (its vocab-parallel branch) on them."""
+
+    def __init__(self, src: Path, model_utils: Any, sampling: Any) -> None:
+        if sampling is None or not hasattr(sampling, "need_top_k_or_top_p_filtering"):
+            raise LookupError(f"{src}: no nemo_rl/algorithms/logits_sampling_utils.need_top_k_or_top_p_filtering")
+        self.LossInputType = compile_alone(src / INTERFACES_FILE, ["LossInputType"], {"enum": enum})["LossInputType"]
+        algorithms = compile_alone(src / ALGORITHM_UTILS_FILE, ["mask_out_neg_inf_logprobs"], {"torch": torch})
+        given = {"torch": torch, "LossInputType": self.LossInputType,
+                 "mask_out_neg_inf_logprobs": algorithms["mask_out_neg_inf_logprobs"],
+                 "need_top_k_or_top_p_filtering": sampling.need_top_k_or_top_p_filtering}
+        given.update({n: getattr(model_utils, n) for n in (
+            "get_next_token_logprobs_from_logits", "get_distillation_topk_logprobs_from_logits")
+            if hasattr(model_utils, n)})
+        # the cross-tokenizer distillation branch: not the LOGPROB loss's
+        self.prepare = compile_alone(src / LOSS_UTILS_FILE, [UNFUSED_PREPARE], given,
+                                     off_path=("prepare_xtoken_cross_tokenizer_loss_input",))[UNFUSED_PREPARE]
+        import math
+
+        self.wrapper = compile_alone(src / WRAPPER_FILE, [UNFUSED_WRAPPER], {"torch": torch, "math": math})[
+            UNFUSED_WRAPPER]
+
+    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, packed_seq_params: Any, tp_rank: int,
+                 tp_group: Any, cp_group: Any, chunk_size: int | None) -> list[torch.Tensor]:
+        """Per sequence, ``next_token_logprobs`` [1, L - 1] as NeMo-RL's loss receives them."""
+        import inspect
+        from functools import partial
+
+        params = inspect.signature(self.prepare).parameters
+        settings = {k: v for k, v in (("sampling_params", None), ("chunk_size", chunk_size)) if k in params}
+        recorder = _RecordLogprobs(self.LossInputType.LOGPROB)
+        wrapped = self.wrapper(
+            loss_fn=recorder, prepare_fn=partial(self.prepare, **settings),
+            cu_seqlens_q=packed_seq_params.cu_seqlens_q, cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q_padded,
+            vocab_parallel_rank=tp_rank, vocab_parallel_group=tp_group, context_parallel_group=cp_group)
+        wrapped(logits, _Batch(input_ids=input_ids), None, None)
+        return recorder.seen

@@ -710,3 +710,26 @@ class MeasuredBuiltin(BuiltinTarget):
         import shardcheck.targets.builtin as module
 
         return os.path.dirname(module.__file__)
+
+
+class NegativeEntropy(BuiltinTarget):
+    """builtin returning sum p log p (the negative entropy, as NeMo-RL's ChunkedDistributedEntropy
+    does) and declaring that definition: the reference follows, so it passes."""
+
+    name = "plants:NegativeEntropy"
+
+    def __init__(self, declared: bool = True) -> None:
+        super().__init__()
+        from shardcheck.targets.base import Definitions
+
+        if declared:
+            self.definitions = Definitions(entropy_sign=-1, entropy_source="a plant")
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        return RankOutputs(out.log_probs, [-e for e in out.entropy] if out.entropy is not None else None)
+
+
+def NegativeEntropyUndeclared() -> NegativeEntropy:  # noqa: N802 - a target factory, named as the plant
+    """The same values without the declaration: the reference's default, so it fails."""
+    return NegativeEntropy(declared=False)

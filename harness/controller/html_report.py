@@ -86,6 +86,10 @@ def _summary(doc: dict[str, Any]) -> list[str]:
         lines.append(f"<p>{summary.get('total', 0)} scenarios: {summary.get('pass', 0)} passed, "
                      f"{summary.get('fail', 0)} failed, {summary.get('skip', 0)} skipped"
                      + ("" if doc.get("complete", True) else " <b>(incomplete: the run did not finish)</b>") + "</p>")
+    defined = target.get("definitions") or {}
+    if defined:
+        lines.append("<p>definitions checked (the target's, the reference followed): "
+                     + "; ".join(f"{_e(k)}: {_e(v)}" for k, v in defined.items()) + "</p>")
     laid: dict[str, int] = {}
     for s in doc["scenarios"]:
         if s.get("layout_built_by"):

@@ -300,6 +300,9 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
             lines.append(f"  ... {len(printed) - MAX_OUTPUT_SHOWN} more in the JSON report")
     lines.append("")
     lines.append(_target_line(info.target))
+    defined = definitions_line(info.target)
+    if defined:
+        lines.append(defined)
     laid = layout_line(verdicts)
     if laid:
         lines.append(laid)
@@ -313,6 +316,13 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
            f"{info.ranks} ranks)" if start else "")
     )
     return "\n".join(lines)
+
+
+def definitions_line(target: dict[str, Any]) -> str | None:
+    """Which definitions were checked where the target declares its own (the reference followed)."""
+    defs = target.get("definitions") or {}
+    return ("definitions checked (the target's, the reference followed): "
+            + "; ".join(f"{k}: {v}" for k, v in defs.items())) if defs else None
 
 
 def layout_line(verdicts: list[Verdict]) -> str | None:
@@ -352,7 +362,7 @@ def _target_line(target: dict[str, Any]) -> str:
     """``target: NAME VERSION (key: value; ...)``: whatever the target's describe() says."""
     line = f"target: {target.get('name', '?')} {target.get('version', '')}".rstrip()
     rest = [f"{k.replace('_', ' ')}: {_plain(v)}" for k, v in target.items()
-            if k not in ("name", "version") and v not in (None, "", [], {}, ())]
+            if k not in ("name", "version", "definitions") and v not in (None, "", [], {}, ())]
     return line + (f" ({'; '.join(rest)})" if rest else "")
 
 

@@ -61,9 +61,10 @@ def compare_outputs(
     entropy: Sequence[torch.Tensor | None] | None,
     rank: int,
     device: torch.device | None = None,
+    entropy_sign: int = 1,
 ) -> tuple[list[Failure], dict[str, float]]:
     """Check the per-sample outputs: their structure first, then every value (the reference runs
-    on ``device`` when given)."""
+    on ``device`` when given; its entropy times ``entropy_sign``, the target's definition)."""
     sc = layout.scenario
     failures: list[Failure] = []
     fields = {"log_probs": log_probs}
@@ -79,6 +80,7 @@ def compare_outputs(
     if not structure_ok:
         return failures, {}
     ref_lp, ref_ent = shard.share_truth(data, layout, device)
+    ref_ent = ref_ent * entropy_sign
     positions = shard.global_positions(layout)
     tol = TOLERANCES[sc.dtype]["values"]
     errors = {}
@@ -123,7 +125,8 @@ def _structure_problem(
 
 
 def compare_loss(
-    layout: RankLayout, data: ScenarioData, loss: object, rank: int, device: torch.device | None = None
+    layout: RankLayout, data: ScenarioData, loss: object, rank: int, device: torch.device | None = None,
+    entropy_sign: int = 1,
 ) -> tuple[list[Failure], dict[str, float]]:
     """Check a target's own scalar loss on this rank against the loss of the truth on its share.
 
@@ -136,7 +139,7 @@ def compare_loss(
     ref_lp, ref_ent = shard.share_truth(data, layout, device)
     w_lp = torch.cat([w for w, _ in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
     w_ent = torch.cat([w for _, w in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
-    w_ent = w_ent * sc.entropy_coef
+    w_ent = w_ent * sc.entropy_coef * entropy_sign
     # A policy loss at ratio exp(logp - old) = 1 has the gradient of w_lp * logp but the value w_lp.
     lp_term = torch.ones_like(ref_lp) if data.loss == "policy" else ref_lp
     want = float((w_lp * lp_term).sum() - (w_ent * ref_ent).sum())
@@ -151,9 +154,11 @@ def compare_loss(
 
 
 def compare_grad(
-    layout: RankLayout, data: ScenarioData, grad: torch.Tensor, rank: int, device: torch.device | None = None
+    layout: RankLayout, data: ScenarioData, grad: torch.Tensor, rank: int, device: torch.device | None = None,
+    entropy_sign: int = 1,
 ) -> tuple[list[Failure], dict[str, float]]:
-    """Check d loss / d local logits against the reference gradient of the global loss."""
+    """Check d loss / d local logits against the reference gradient of the global loss (its
+    entropy term as the target defines entropy: ``entropy_sign``)."""
     sc = layout.scenario
     grad = grad.detach().reshape(layout.num_rows, -1).cpu().double()
     targets, w_lp, w_ent = shard.row_targets_and_weights(data, layout)
@@ -164,7 +169,7 @@ def compare_grad(
     mapped: dict[tuple[int, int], None] = {}  # (sample, position) of every row with a mismatch, in order
     source = shard.PieceRows(data, layout.pieces)
     for start, want in loss_grad_chunks(
-        source, targets, w_lp, w_ent if sc.with_entropy else None, entropy_coef=sc.entropy_coef,
+        source, targets, w_lp, w_ent * entropy_sign if sc.with_entropy else None, entropy_coef=sc.entropy_coef,
         temperature=sc.temperature, columns=slice(*layout.columns), device=device, keep=source.keep(),
     ):
         want = want.cpu()

@@ -276,7 +276,9 @@ class RankRunner:
             calls = trace.stop()
         if not described and self._current in self._targets and self._current[0] == target:
             try:  # a failed run still names what it ran
-                described = self._targets[self._current].describe()
+                from shardcheck.targets.base import description
+
+                described = description(self._targets[self._current])
             except Exception:  # noqa: BLE001  (the report keeps the controller's description)
                 pass
         # Without lockstep a raise may leave peers mid-collective; with it, only a failure inside
@@ -319,6 +321,7 @@ class RankRunner:
         from shardcheck.scenarios import Scenario
         from shardcheck.scenarios.data import ScenarioData
         from shardcheck.targets import RankInputs, loss_form
+        from shardcheck.targets.base import definitions, description
 
         inplace, reference, explain = checks.inplace, checks.reference, checks.explain
         sc = Scenario.from_dict(scenario_dict)
@@ -366,20 +369,22 @@ class RankRunner:
         wrong = not_outputs(outputs, site, self.rank)
         if wrong is not None:  # nothing to compare or differentiate
             found.append(wrong)
-            return target.describe(), None
+            return description(target), None
         malformed = form_problems(outputs, inputs.logits, sc.with_entropy, sc.entropy_coef, form == "policy",
                                   site, self.rank)
         found += malformed
         if any(f.details["malformed"] == "device" for f in malformed):  # its values cannot be read here
-            return target.describe(), None
+            return description(target), None
         entropy = outputs.entropy if sc.with_entropy else None
         # the reference runs where the rank computes: on its GPU under nccl, in row chunks
         ref_device = self.device if getattr(self.device, "type", "cpu") == "cuda" else None
+        sign = definitions(target).entropy_sign  # the reference follows the target's definition
         if reference:  # the values are compared before the backward runs
-            _add(found, errors, compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device))
+            _add(found, errors, compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device,
+                                                sign))
         if form == "policy":
             if reference:
-                _add(found, errors, compare_loss(layout, data, outputs.loss, self.rank, ref_device))
+                _add(found, errors, compare_loss(layout, data, outputs.loss, self.rank, ref_device, sign))
             # a malformed loss is reported above; the rank has nothing to differentiate, and its
             # peers' backward collectives then show the asymmetry
             fed = policy_gradients(outputs.loss)
@@ -395,6 +400,6 @@ class RankRunner:
         found += guard.check("backward")
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         if reference:
-            _add(found, errors, compare_grad(layout, data, grad, self.rank, ref_device))
+            _add(found, errors, compare_grad(layout, data, grad, self.rank, ref_device, sign))
         produced = rank_outputs(layout, outputs.log_probs, entropy, grad) if checks.outputs else None
-        return target.describe(), produced
+        return description(target), produced

@@ -1,0 +1,34 @@
+"""A target declares where its definition differs from the reference's default (NeMo-RL's entropy
+is sum p log p): the reference follows it, values and gradients, and the report says which
+definition was checked. The same outputs without the declaration fail."""
+
+import pytest
+
+from conftest import run_on_world
+from shardcheck.harness.controller.report import definitions_line
+from shardcheck.scenarios.suites import get_suite
+from shardcheck.targets.base import Definitions, definitions
+
+
+def test_the_default_is_the_references_and_says_nothing():
+    assert definitions(object()).entropy_sign == 1 and Definitions().describe() == {}
+    assert definitions_line({"name": "builtin"}) is None
+    described = Definitions(entropy_sign=-1, entropy_source="a plant").describe()
+    assert "sum p log p" in described["entropy"] and "a plant" in described["entropy"]
+    assert definitions_line({"definitions": described}).startswith("definitions checked (the target's")
+
+
+@pytest.mark.world
+def test_a_declared_negative_entropy_is_checked_as_declared(tmp_path, world):
+    # entropy_coef != 0, so the entropy term's gradient is checked as well as its values
+    scenarios = [s for s in get_suite("smoke") if s.name in ("thd-tp2cp1-basic", "zigzag-tp2cp2-edges")]
+    assert all(s.with_entropy and s.entropy_coef != 0 for s in scenarios)
+    declared = run_on_world(world, scenarios, "plants:NegativeEntropy", tmp_path / "d.json", "smoke")
+    assert declared.exit_code == 0, declared.stdout
+    assert "definitions checked (the target's, the reference followed): entropy: sum p log p" in declared.stdout
+    assert "sum p log p" in declared.report["target"]["definitions"]["entropy"]
+    undeclared = run_on_world(world, scenarios, "plants:NegativeEntropyUndeclared", tmp_path / "u.json", "smoke")
+    assert undeclared.exit_code == 1
+    for v in undeclared.report["scenarios"]:
+        assert set(v["kinds"]) == {"value_mismatch", "grad_mismatch"}, v["kinds"]
+        assert any(f["kind"] == "value_mismatch" and f["message"].startswith("entropy") for f in v["failures"])
