@@ -230,6 +230,8 @@ class Knob:
     default: Any
     help: str
     check: Any = None  # Callable[[Any], str | None]
+    # Callable[[Any], str | None]: why this machine cannot run a valid value (a skip, not a finding)
+    unavailable: Any = None
 
     def problem(self, value: Any) -> str | None:
         return self.check(value) if self.check is not None else None
@@ -288,6 +290,9 @@ def knob_skip_reason(target: Any, scenario: Scenario) -> str | None:
         problem = knobs[key].problem(value)
         if problem is not None:
             raise BadInput(f"scenario {scenario.name!r}: layout knob {key} {problem}")
+        why = knobs[key].unavailable(value) if knobs[key].unavailable is not None else None
+        if why:
+            return f"{path.name}: layout knob {key}={value!r} cannot run here: {why}"
     return path.builds(scenario)
 
 

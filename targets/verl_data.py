@@ -59,6 +59,23 @@ KNOBS = {  # name: (check, help)
 }
 
 
+def _contiguous_here(value: Any) -> str | None:
+    """verl's contiguous CP layout needs a megatron-core whose PackedSeqParams has
+    cp_partition_mode (verl raises otherwise): this machine's, not verl's, limit."""
+    if value != "contiguous":
+        return None
+    import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if "cp_partition_mode" in {f.name for f in dataclasses.fields(PackedSeqParams)}:
+        return None
+    import megatron.core
+
+    return (f"verl's contiguous CP layout needs PackedSeqParams.cp_partition_mode, which megatron-core "
+            f"{getattr(megatron.core, '__version__', '?')} here does not have")
+
+
 def read_signatures(src: Path) -> dict[str, dict[str, Any]]:
     """The parameters and literal defaults of every top-level function in the checkout's util.py."""
     path = src / UTIL_FILE
@@ -99,7 +116,8 @@ class _VerlPacking:
             for name in (sig or {}).get("params", ()):
                 if name in KNOBS and name not in out:
                     check, help_ = KNOBS[name]
-                    out[name] = Knob(sig["defaults"].get(name), f"{help_} ({fn})", check)
+                    out[name] = Knob(sig["defaults"].get(name), f"{help_} ({fn})", check,
+                                     _contiguous_here if name == "cp_layout" else None)
         return out
 
     def kwargs(self, function: str, knobs: dict[str, Any]) -> dict[str, Any]:
