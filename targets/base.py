@@ -244,6 +244,33 @@ def positive_int(value: Any) -> str | None:
     return None
 
 
+def positive_int_or_none(value: Any) -> str | None:
+    """A Knob check: an integer >= 1, or None (off)."""
+    return None if value is None else positive_int(value)
+
+
+LAYOUT_OPTION = ("framework", "shardcheck")
+
+
+def layout_option(config: TargetConfig | None, where: str = "", framework: str = "framework") -> str:
+    """A framework target's ``layout`` option: framework (its data path lays out the rows, the
+    default) or shardcheck (the harness's rows); anything else is BadInput naming ``where``."""
+    from shardcheck.errors import BadInput
+
+    value = config.get("layout", "framework") if config is not None else "framework"
+    if value not in LAYOUT_OPTION:
+        raise BadInput(f"{where}option layout={value!r}: expected {framework} or shardcheck")
+    return value
+
+
+def layout_description(path: "DataPath | None", layout: str, absent: str) -> str:
+    """What lays out a framework target's rows, for describe(): its data path, or the harness
+    and why (``absent``: what the checkout lacks)."""
+    if path is not None:
+        return path.name
+    return f"shardcheck's layout ({'layout=shardcheck' if layout != 'framework' else absent})"
+
+
 @runtime_checkable
 class DataPath(Protocol):
     """A framework's own code from the rollout batch to what one rank's model receives.
@@ -370,13 +397,6 @@ class RankInputs:
     @property
     def allgather_cp(self) -> bool:
         return self.layout == "allgather"
-
-    def to(self, device: Any) -> "Rollout":
-        """The same batch with its tensors on ``device`` (where the rank's logits are)."""
-        import dataclasses
-
-        return dataclasses.replace(self, tokens=[t.to(device) for t in self.tokens],
-                                   loss_masks=[m.to(device) for m in self.loss_masks])
 
     @property
     def qkv_format(self) -> str:

@@ -75,9 +75,9 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
-                                     source_commit)
-from shardcheck.targets.nemo_rl_data import (DATA_FILE, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath, NemoRLFusedLoss,
-                                             NemoRLUnfusedLoss, has_fused_loss, has_packing, has_unfused_loss)
+                                     layout_description, layout_option, source_commit)
+from shardcheck.targets.nemo_rl_data import (DATA_FILE, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath, NemoRLLossPath,
+                                             has_fused_loss, has_packing, has_unfused_loss)
 from shardcheck.targets.stub import Stub
 
 ENV = "SHARDCHECK_NEMO_RL_SRC"
@@ -335,9 +335,7 @@ class NemoRLTarget:
             self.temperature_in_place = config.flag("temperature_in_place")
         except ValueError as exc:
             raise BadInput(f"target 'nemo_rl': {exc}") from None
-        layout = config.get("layout", "framework")
-        if layout not in ("framework", "shardcheck"):
-            raise BadInput(f"target 'nemo_rl': option layout={layout!r}: expected framework or shardcheck")
+        layout = layout_option(config, "target 'nemo_rl': ")
         self.layout_option = layout
         self.variant = variant
         self.name = "nemo_rl" if variant is None else f"nemo_rl:{variant}"
@@ -354,7 +352,7 @@ class NemoRLTarget:
         if variant == "fused_loss" and not self.era["fused_loss"]:
             raise BadInput(f"NeMo-RL at {self._short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
                            "later): use nemo_rl:pre_rolled")
-        self.data_path = (NemoRLDataPath(self.src, self._module, self._short())
+        self.data_path = (NemoRLDataPath(self.src, self._module)
                           if layout == "framework" and self.era["packing"] and self.era["packed"] else None)
         if variant == "fused_loss" and self.data_path is None:
             raise BadInput(f"target 'nemo_rl:fused_loss' runs on NeMo-RL's own packing ({DATA_FILE}); "
@@ -367,6 +365,7 @@ class NemoRLTarget:
         self.definitions = Definitions(entropy_sign=-1, entropy_source=f"NeMo-RL's {ENTROPY}")
         self._mod: Any = None
         self._sampling_mod: Any = None
+        self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
         self._undo: list[Any] = []
         self.stubs: list[str] = []
         self.package_inits_not_run: list[str] = []
@@ -422,7 +421,9 @@ class NemoRLTarget:
         """Undo what importing NeMo-RL set in this process (the rank moves to another target)."""
         while self._undo:
             self._undo.pop()()
-        self._mod = self._sampling_mod = None
+        self._mod = self._sampling_mod = self._loss_path = None
+        if self.data_path is not None:
+            self.data_path.release()
 
     def describe(self) -> dict[str, Any]:
         version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
@@ -437,8 +438,7 @@ class NemoRLTarget:
             "temperature": ("logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
                             else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
             "cp_on_cpu": self.cp_on_cpu,
-            "data_path": self.data_path.name if self.data_path is not None else
-            f"shardcheck's layout ({'layout=shardcheck' if self.layout_option != 'framework' else 'no packing'})",
+            "data_path": layout_description(self.data_path, self.layout_option, "no packing"),
             "framework_files": list(self.framework_files),
             **({"packed_seq_params": f"megatron-core's PackedSeqParams with {', '.join(self.data_path.newer_fields)} "
                                      "kept as attributes (a newer megatron-core's fields NeMo-RL's packing passes)"}
@@ -510,12 +510,10 @@ class NemoRLTarget:
         """NeMo-RL's packed loss wrapper on the data path's PackedSeqParams, fused (one
         [B, S - 1] for the batch) or not (one [1, L - 1] per sequence): the log-probs its loss
         receives (position p scoring token p + 1), this rank's share of each response."""
-        if getattr(self, "_loss_path", None) is None:
-            kind = NemoRLFusedLoss if self.variant == "fused_loss" else NemoRLUnfusedLoss
-            self._loss_path = kind(self.src, mod, self._sampling_mod)
+        if self._loss_path is None:
+            self._loss_path = NemoRLLossPath(self.src, mod, self._sampling_mod, fused=self.variant == "fused_loss")
         input_ids, (_, _, params, _, _) = self.data_path.pack(inputs.rollout.to(logits.device))
-        out = self._loss_path(logits, input_ids, params, inputs.tp_rank, inputs.tp_group, inputs.cp_group, chunk)
-        rows = list(out) if self.variant == "fused_loss" else [seq[0] for seq in out]
+        rows = self._loss_path(logits, input_ids, params, inputs.tp_rank, inputs.tp_group, inputs.cp_group, chunk)
         return [rows[i][(total - response - 1) + share.to(logits.device)]
                 for i, (total, response, share) in enumerate(zip(inputs.total_lengths, inputs.response_lengths,
                                                                  self._share(inputs)))]

@@ -1,4 +1,4 @@
-"""NeMo-RL's own data path and fused packed loss, from the target's checkout.
+"""NeMo-RL's own data path and packed losses, from the target's checkout.
 
 - The data path: ``_pack_sequences_for_megatron`` (``nemo_rl/models/megatron/data.py``), as
   ``process_microbatch`` calls it with sequence packing on: the micro-batch's ``input_ids``
@@ -7,11 +7,11 @@
   ``pad_individual_seqs_to_multiple_of``, the packed stream to ``pad_packed_seq_to_multiple_of`` or
   to ``pad_packed_seq_to`` (the padding goes to the last sequence), each sequence cut into zigzag
   chunks with CP rank and size from megatron-core's ``parallel_state``, as NeMo-RL asks them.
-- The fused packed loss (``sequence_packing.fuse_loss``): ``SequencePackingFusionLossWrapper``
-  (``nemo_rl/algorithms/loss/wrapper.py``) with ``prepare_packed_loss_input``
-  (``nemo_rl/algorithms/loss/utils.py``), which builds the rolled targets with ``_pack_input_ids``
-  from the unpacked ``input_ids`` and the ``PackedSeqParams`` of the data path, then calls
-  ``from_parallel_logits_to_logprobs_packed_sequences`` (``target_is_pre_rolled=True``).
+- The packed losses (``nemo_rl/algorithms/loss/wrapper.py`` and ``utils.py``): fused
+  (``sequence_packing.fuse_loss``: ``prepare_packed_loss_input`` builds the rolled targets with
+  ``_pack_input_ids`` from the unpacked ``input_ids`` and the data path's ``PackedSeqParams``, then
+  calls ``from_parallel_logits_to_logprobs_packed_sequences`` with ``target_is_pre_rolled=True``)
+  or not (``prepare_loss_input`` per sequence, ``get_next_token_logprobs_from_logits``).
 
 These functions are compiled alone from their files (:mod:`shardcheck.targets.compiled`): their
 modules import megatron-bridge, transformers and NeMo-RL's config stack. Nothing of NeMo-RL's is
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from shardcheck.scenarios.scenario import Scenario
-from shardcheck.targets.base import Knob, Rollout, positive_int
+from shardcheck.targets.base import Knob, Rollout, positive_int, positive_int_or_none
 from shardcheck.targets.compiled import compile_alone
 
 DATA_FILE = Path("nemo_rl/models/megatron/data.py")
@@ -65,9 +65,6 @@ def has_fused_loss(src: Path) -> bool:
             and "LossInputType" in _top_level(src / INTERFACES_FILE))
 
 
-def _positive_or_none(value: Any) -> str | None:
-    return None if value is None else positive_int(value)
-
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
@@ -78,10 +75,9 @@ class NemoRLDataPath:
 
     name = f"{DATA_FILE}:{PACK}"
 
-    def __init__(self, src: Path, model_utils: Callable[[], Any], commit: str) -> None:
+    def __init__(self, src: Path, model_utils: Callable[[], Any]) -> None:
         self.src = src
         self._model_utils = model_utils  # the target's import of model_utils (and its release)
-        self._commit = commit
         self._pack: Any = None
         self.newer_fields: list[str] = []
 
@@ -90,14 +86,14 @@ class NemoRLDataPath:
             "make_sequence_length_divisible_by": Knob(
                 None, "policy.make_sequence_length_divisible_by: each sequence padded to a multiple of it (the "
                       "packer's pad_individual_seqs_to_multiple_of); None: NeMo-RL's Megatron default, tp (its "
-                      "GRPO configs), times 2*cp under CP (the least its packer accepts)", _positive_or_none),
+                      "GRPO configs), times 2*cp under CP (the least its packer accepts)", positive_int_or_none),
             "pad_packed_seq_to_multiple_of": Knob(
                 1, "the packed stream padded to a multiple of it, the padding given to the last sequence "
                    "(_get_pack_sequence_parameters_for_megatron derives it from the FP8 recipe: 16, 32 or 128, "
                    "and HybridEP: 128, times 2*cp and tp with sequence parallel); 1: off", positive_int),
             "pad_packed_seq_to": Knob(
                 None, "the packed stream padded to this length (pipeline parallel: the batch's longest); "
-                      "None: off", _positive_or_none),
+                      "None: off", positive_int_or_none),
         }
 
     def builds(self, scenario: Scenario) -> str | None:
@@ -175,6 +171,10 @@ class NemoRLDataPath:
     def local_tokens(self, rollout: Rollout) -> torch.Tensor:
         return self.pack(rollout)[1][1][0]
 
+    def release(self) -> None:
+        """Drop the compiled packing (it holds the target's import of model_utils, now undone)."""
+        self._pack = None
+
 
 class _RecordLogprobs:
     """Stands in for NeMo-RL's loss (ClippedPGLossFn and the rest) behind the wrapper: it keeps the
@@ -201,72 +201,42 @@ class _Batch(dict):
         return _Batch({k: v[start:end] for k, v in self.items()})
 
 
-class NemoRLFusedLoss:
-    """NeMo-RL's fused packed loss path, from its files."""
+class NemoRLLossPath:
+    """NeMo-RL's packed training loss, from its files, fused (``sequence_packing.fuse_loss``:
+    ``SequencePackingFusionLossWrapper`` -> ``prepare_packed_loss_input``, which rolls the targets
+    with ``_pack_input_ids``) or not (``SequencePackingLossWrapper`` cuts each sequence's logits out
+    of the packed rows by ``cu_seqlens_q_padded`` and calls ``prepare_loss_input``, which calls
+    ``get_next_token_logprobs_from_logits``, its vocab-parallel branch)."""
 
-    def __init__(self, src: Path, model_utils: Any, sampling: Any) -> None:
+    # what loss/utils.py's functions read from model_utils, where the checkout has them
+    MODEL_UTILS_NAMES = ("_get_tokens_on_this_cp_rank", "from_parallel_logits_to_logprobs_packed_sequences",
+                         "get_next_token_logprobs_from_logits", "get_distillation_topk_logprobs_from_logits")
+
+    def __init__(self, src: Path, model_utils: Any, sampling: Any, fused: bool) -> None:
+        import math
+
         if sampling is None or not hasattr(sampling, "need_top_k_or_top_p_filtering"):
             raise LookupError(f"{src}: no nemo_rl/algorithms/logits_sampling_utils.need_top_k_or_top_p_filtering")
-        interfaces = compile_alone(src / INTERFACES_FILE, ["LossInputType"], {"enum": enum})
-        algorithms = compile_alone(src / ALGORITHM_UTILS_FILE, ["mask_out_neg_inf_logprobs"], {"torch": torch})
-        self.LossInputType = interfaces["LossInputType"]
-        utils = compile_alone(src / LOSS_UTILS_FILE, ["_pack_input_ids", FUSED_PREPARE], {
-            "torch": torch, "LossInputType": self.LossInputType,
-            "_get_tokens_on_this_cp_rank": model_utils._get_tokens_on_this_cp_rank,
-            "from_parallel_logits_to_logprobs_packed_sequences":
-                model_utils.from_parallel_logits_to_logprobs_packed_sequences,
-            "mask_out_neg_inf_logprobs": algorithms["mask_out_neg_inf_logprobs"],
-            "need_top_k_or_top_p_filtering": sampling.need_top_k_or_top_p_filtering})
-        self.prepare = utils[FUSED_PREPARE]
-        self.wrapper = compile_alone(src / WRAPPER_FILE, [FUSED_WRAPPER], {"torch": torch})[FUSED_WRAPPER]
-
-    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, packed_seq_params: Any, tp_rank: int,
-                 tp_group: Any, cp_group: Any, chunk_size: int | None) -> torch.Tensor:
-        """``next_token_logprobs`` [B, S - 1] (every CP rank's, gathered), as NeMo-RL's loss
-        receives them from the wrapper: the megatron train step's LossPostProcessor passes the
-        data path's ``cu_seqlens_q`` and ``cu_seqlens_q_padded`` and the TP and CP groups."""
-        import inspect
-        from functools import partial
-
-        params = inspect.signature(self.prepare).parameters
-        settings = {k: v for k, v in (("sampling_params", None), ("chunk_size", chunk_size)) if k in params}
-        wrapped = self.wrapper(
-            loss_fn=_RecordLogprobs(self.LossInputType.LOGPROB), prepare_fn=partial(self.prepare, **settings),
-            cu_seqlens_q=packed_seq_params.cu_seqlens_q, cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q_padded,
-            vocab_parallel_rank=tp_rank, vocab_parallel_group=tp_group, context_parallel_group=cp_group)
-        recorder = wrapped.loss_fn
-        wrapped(logits, {"input_ids": input_ids}, None, None)
-        return recorder.seen[0]
-
-
-class NemoRLUnfusedLoss:
-    """NeMo-RL's unfused packed loss path (``sequence_packing`` without ``fuse_loss``):
-    ``SequencePackingLossWrapper`` cuts each sequence's logits out of the packed rows by
-    ``cu_seqlens_q_padded`` and calls ``prepare_loss_input``, which calls
-    ``get_next_token_logprobs_from_logits`` (its vocab-parallel branch) on them."""
-
-    def __init__(self, src: Path, model_utils: Any, sampling: Any) -> None:
-        if sampling is None or not hasattr(sampling, "need_top_k_or_top_p_filtering"):
-            raise LookupError(f"{src}: no nemo_rl/algorithms/logits_sampling_utils.need_top_k_or_top_p_filtering")
+        self.fused = fused
         self.LossInputType = compile_alone(src / INTERFACES_FILE, ["LossInputType"], {"enum": enum})["LossInputType"]
         algorithms = compile_alone(src / ALGORITHM_UTILS_FILE, ["mask_out_neg_inf_logprobs"], {"torch": torch})
         given = {"torch": torch, "LossInputType": self.LossInputType,
                  "mask_out_neg_inf_logprobs": algorithms["mask_out_neg_inf_logprobs"],
-                 "need_top_k_or_top_p_filtering": sampling.need_top_k_or_top_p_filtering}
-        given.update({n: getattr(model_utils, n) for n in (
-            "get_next_token_logprobs_from_logits", "get_distillation_topk_logprobs_from_logits")
-            if hasattr(model_utils, n)})
-        # the cross-tokenizer distillation branch: not the LOGPROB loss's
-        self.prepare = compile_alone(src / LOSS_UTILS_FILE, [UNFUSED_PREPARE], given,
-                                     off_path=("prepare_xtoken_cross_tokenizer_loss_input",))[UNFUSED_PREPARE]
-        import math
-
-        self.wrapper = compile_alone(src / WRAPPER_FILE, [UNFUSED_WRAPPER], {"torch": torch, "math": math})[
-            UNFUSED_WRAPPER]
+                 "need_top_k_or_top_p_filtering": sampling.need_top_k_or_top_p_filtering,
+                 **{n: getattr(model_utils, n) for n in self.MODEL_UTILS_NAMES if hasattr(model_utils, n)}}
+        prepare, wrapper = (FUSED_PREPARE, FUSED_WRAPPER) if fused else (UNFUSED_PREPARE, UNFUSED_WRAPPER)
+        names = ["_pack_input_ids", prepare] if fused else [prepare]
+        # the cross-tokenizer distillation branch is not the LOGPROB loss's
+        self.prepare = compile_alone(src / LOSS_UTILS_FILE, names, given,
+                                     off_path=("prepare_xtoken_cross_tokenizer_loss_input",))[prepare]
+        self.wrapper = compile_alone(src / WRAPPER_FILE, [wrapper], {"torch": torch, "math": math})[wrapper]
 
     def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, packed_seq_params: Any, tp_rank: int,
                  tp_group: Any, cp_group: Any, chunk_size: int | None) -> list[torch.Tensor]:
-        """Per sequence, ``next_token_logprobs`` [1, L - 1] as NeMo-RL's loss receives them."""
+        """Per sample, the ``next_token_logprobs`` row NeMo-RL's loss receives (position p scoring
+        token p + 1; every CP rank's, gathered), with what the megatron train step's
+        LossPostProcessor passes the wrapper: the data path's ``cu_seqlens_q`` and
+        ``cu_seqlens_q_padded`` and the TP and CP groups."""
         import inspect
         from functools import partial
 
@@ -278,4 +248,5 @@ class NemoRLUnfusedLoss:
             cu_seqlens_q=packed_seq_params.cu_seqlens_q, cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q_padded,
             vocab_parallel_rank=tp_rank, vocab_parallel_group=tp_group, context_parallel_group=cp_group)
         wrapped(logits, _Batch(input_ids=input_ids), None, None)
-        return recorder.seen
+        # fused: one [B, S - 1] for the batch; unfused: one [1, L - 1] per sequence
+        return list(recorder.seen[0]) if self.fused else [seen[0] for seen in recorder.seen]

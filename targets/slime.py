@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, Rollout, TargetConfig, source_commit
+from shardcheck.targets.base import (Capabilities, RankInputs, RankOutputs, Rollout, TargetConfig, layout_description,
+                                     layout_option, source_commit)
 from shardcheck.targets.passthrough import Recorder
 from shardcheck.targets.slime_data import SlimeDataPath, cpu_accelerator, read_get_batch
 from shardcheck.targets.stub import Stub
@@ -208,8 +209,7 @@ class SlimeTarget:
         return {"name": self.name, "version": version, "commit": self.commit,
                 "src": str(self.src), "era": self.era, "stubbed_modules": self.stubs,
                 "args_read_but_not_set": sorted(self.missing_args),
-                "data_path": self.data_path.name if self.data_path is not None else
-                f"shardcheck's layout ({'layout=shardcheck' if self.layout_option != 'framework' else 'no get_batch'})",
+                "data_path": layout_description(self.data_path, self.layout_option, "no get_batch"),
                 "cpu_world": [n for n in self.device_notes if n != "none"] +
                 (self.data_path.shims if self.data_path is not None else [])}
 
@@ -413,9 +413,7 @@ def target(variant: str | None = None, config: TargetConfig | None = None) -> Sl
 
     With the variant ``policy_loss``, its policy_loss_function instead."""
     src = config.src if config is not None else None
-    layout = config.get("layout", "framework") if config is not None else "framework"
-    if layout not in ("framework", "shardcheck"):
-        raise BadInput(f"option layout={layout!r}: expected framework (slime's get_batch) or shardcheck")
+    layout = layout_option(config, framework="framework (slime's get_batch)")
     kinds = {None: SlimeTarget, "policy_loss": SlimePolicyLossTarget, "loss": SlimeLossTarget}
     if variant not in kinds:
         raise BadInput(f"target 'slime' has no variant {variant!r} (known: loss, policy_loss)")

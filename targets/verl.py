@@ -79,7 +79,8 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, source_commit
+from shardcheck.targets.base import (Capabilities, RankInputs, RankOutputs, TargetConfig, layout_description,
+                                     layout_option, source_commit)
 from shardcheck.targets.stub import Stub
 from shardcheck.targets.verl_data import data_path_for
 
@@ -519,9 +520,7 @@ class VerlActorTarget(VerlTarget):
         choice = config.get("call_site", "auto")
         if choice not in ("auto", "legacy", "engine"):
             raise BadInput(f"target 'verl:actor': option call_site={choice!r}: expected legacy, engine or auto")
-        layout = config.get("layout", "framework")
-        if layout not in ("framework", "shardcheck"):
-            raise BadInput(f"target 'verl:actor': option layout={layout!r}: expected framework or shardcheck")
+        layout = layout_option(config, "target 'verl:actor': ")
         self._choice, self.layout_option = choice, layout
         self.data_path = None
         super().__init__(src, options)
@@ -564,8 +563,7 @@ class VerlActorTarget(VerlTarget):
         out = super().describe()
         out.update({"call_site": {"kind": self.kind, **self.site}, "call_site_option": self._choice,
                     "config_read_but_not_set": sorted(self.missing_config),
-                    "data_path": self.data_path.name if self.data_path is not None else
-                    f"shardcheck's layout ({'layout=shardcheck' if self.layout_option != 'framework' else 'no packing'})",
+                    "data_path": layout_description(self.data_path, self.layout_option, "no packing"),
                     "framework_files": list(self.framework_files)})
         if self.kind == "engine":
             out["packing"] = self.era["packing"]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from shardcheck.scenarios.scenario import Scenario
-from shardcheck.targets.base import Knob, Rollout, positive_int
+from shardcheck.targets.base import Knob, Rollout, positive_int_or_none
 
 UTIL_FILE = Path("verl/models/mcore/util.py")
 UTIL_MODULE = "verl.models.mcore.util"
@@ -37,9 +37,6 @@ def _bool(value: Any) -> str | None:
     return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
 
 
-def _positive_or_none(value: Any) -> str | None:
-    return None if value is None else positive_int(value)
-
 
 def _cp_layout(value: Any) -> str | None:
     return None if value in CP_LAYOUTS else f"must be one of {', '.join(CP_LAYOUTS)}, got {value!r}"
@@ -48,13 +45,13 @@ def _cp_layout(value: Any) -> str | None:
 KNOBS = {  # name: (check, help)
     "use_fp8_padding": (_bool, "verl's FP8 padding (model config fp8 e4m3/hybrid): each sequence padded to "
                                "lcm(16, align), the packed buffer's total to 128 * align"),
-    "pad_to_length_bucket": (_positive_or_none, "pad the packed buffer's total to a multiple of this bucket "
+    "pad_to_length_bucket": (positive_int_or_none, "pad the packed buffer's total to a multiple of this bucket "
                                                 "(the last sequence takes the padding); None: off"),
-    "min_local_rows": (_positive_or_none, "pad the packed buffer to at least cp * this many rows (the last "
+    "min_local_rows": (positive_int_or_none, "pad the packed buffer to at least cp * this many rows (the last "
                                           "sequence takes the padding); None: off"),
     "cp_layout": (_cp_layout, "how verl shards the packed rows across CP ranks: zigzag (chunks r and 2cp-1-r "
                               "of every sequence) or contiguous (one interval of the padded buffer each)"),
-    "forced_max_seqlen": (_positive_or_none, "bshd: pad every batch row to this length (before tp/cp alignment) "
+    "forced_max_seqlen": (positive_int_or_none, "bshd: pad every batch row to this length (before tp/cp alignment) "
                                              "instead of the batch's longest; None: off"),
 }
 
