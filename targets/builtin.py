@@ -131,7 +131,7 @@ class BuiltinTarget:
     capabilities = Capabilities(replay_keep=True)
     # What ``shardcheck invariance`` holds it to: the same sample gives the same bits in any
     # layout, packing, order or micro-batch, at a given tp. Across tp sizes the vocab sums are
-    # split differently, so no bound is promised there (README gives the measured figures).
+    # split differently, so no bound is promised there (docs/invariance.md gives the measured figures).
     invariance = {axis: "bitwise" for axis in
                   ("rerun", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")}
     # per local row, the replayed keep set it renormalises over (set by compute; None: none)
