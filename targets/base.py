@@ -196,16 +196,28 @@ class Definitions:
     converts an output to the default itself).
 
     ``entropy_sign``: -1 where the framework's entropy is ``sum p log p`` (the negative entropy);
-    the reference's entropy and its entropy term's gradient are then negated."""
+    the reference's entropy and its entropy term's gradient are then negated.
+
+    ``loss_over``: "share" (the default: with CP each rank returns, and takes the loss over, its
+    zigzag share of each response) or "gathered" (each CP rank returns every response token, as
+    gathered over CP, and takes the loss over the whole gathered sequence divided by the CP size:
+    NeMo-RL's convention). The reference's gradient is the same global loss's either way; under
+    "gathered" a backward that does not sum the CP ranks' gradients is off by the CP size."""
 
     entropy_sign: int = 1
     entropy_source: str = ""  # whose definition, e.g. "NeMo-RL's ChunkedDistributedEntropy"
+    loss_over: str = "share"
+    loss_source: str = ""
 
     def describe(self) -> dict[str, str]:
-        if self.entropy_sign == 1:
-            return {}
-        return {"entropy": f"sum p log p, the negative entropy ({self.entropy_source}); the reference's entropy "
-                           "and its gradient are negated to match"}
+        out: dict[str, str] = {}
+        if self.entropy_sign != 1:
+            out["entropy"] = (f"sum p log p, the negative entropy ({self.entropy_source}); the reference's entropy "
+                              "and its gradient are negated to match")
+        if self.loss_over == "gathered":
+            out["loss"] = (f"over the whole gathered sequence on every CP rank, divided by the CP size "
+                           f"({self.loss_source}); every CP rank's values are checked for every response token")
+        return out
 
 
 def definitions(target: Any) -> Definitions:

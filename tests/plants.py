@@ -733,3 +733,77 @@ class NegativeEntropy(BuiltinTarget):
 def NegativeEntropyUndeclared() -> NegativeEntropy:  # noqa: N802 - a target factory, named as the plant
     """The same values without the declaration: the reference's default, so it fails."""
     return NegativeEntropy(declared=False)
+
+
+class _SumOverCpOwnGradOnly(torch.autograd.Function):
+    """All-reduce over the CP group whose backward keeps each rank's own gradient (no sum of the
+    CP ranks' gradients): right only when each rank's loss covers just its own tokens."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        import torch.distributed as dist
+
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def _gathered(inputs: RankInputs, outs, sums_grads: bool) -> list:
+    """Per sample, every response token's value, each rank's share put in place and summed over CP."""
+    from torch.distributed.nn.functional import all_reduce
+
+    full = []
+    for i, (out, js) in enumerate(zip(outs, inputs.rank_layout.share)):
+        whole = out.new_zeros(inputs.response_lengths[i]).index_put((torch.tensor(js, dtype=torch.int64,
+                                                                                   device=out.device),), out)
+        full.append(all_reduce(whole, group=inputs.cp_group) if sums_grads
+                    else _SumOverCpOwnGradOnly.apply(whole, inputs.cp_group))
+    return full
+
+
+class GatheredLoss(BuiltinTarget):
+    """builtin whose outputs are gathered over CP, every token on every CP rank, with the loss over
+    the whole gathered sequence / cp (NeMo-RL's convention), declared: the reference follows."""
+
+    name = "plants:GatheredLoss"
+    sums_grads = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardcheck.targets.base import Definitions
+
+        self.definitions = Definitions(loss_over="gathered", loss_source="a plant")
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        return RankOutputs(_gathered(inputs, out.log_probs, self.sums_grads),
+                           _gathered(inputs, out.entropy, self.sums_grads) if out.entropy is not None else None)
+
+
+class GatheredLossNoGradSum(GatheredLoss):
+    """The same with a gather whose backward does not sum the CP ranks' gradients: under the
+    gathered convention each rank's gradient is 1/cp of the truth."""
+
+    name = "plants:GatheredLossNoGradSum"
+    sums_grads = False
+
+
+class ShareOfGatheredNoGradSum(BuiltinTarget):
+    """That faulty gather under the share convention (each rank hands back only its share): its
+    missing gradient sum is invisible there, so it passes."""
+
+    name = "plants:ShareOfGatheredNoGradSum"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        share = inputs.rank_layout.share
+
+        def own(full):
+            return [f[torch.tensor(js, dtype=torch.int64, device=f.device)] for f, js in zip(full, share)]
+
+        return RankOutputs(own(_gathered(inputs, out.log_probs, False)),
+                           own(_gathered(inputs, out.entropy, False)) if out.entropy is not None else None)

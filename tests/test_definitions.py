@@ -32,3 +32,22 @@ def test_a_declared_negative_entropy_is_checked_as_declared(tmp_path, world):
     for v in undeclared.report["scenarios"]:
         assert set(v["kinds"]) == {"value_mismatch", "grad_mismatch"}, v["kinds"]
         assert any(f["kind"] == "value_mismatch" and f["message"].startswith("entropy") for f in v["failures"])
+
+
+@pytest.mark.world
+def test_the_loss_over_the_gathered_sequence_is_checked_as_declared(tmp_path, world):
+    """NeMo-RL's convention: with CP every rank returns every token and takes the loss over the
+    whole gathered sequence, divided by cp. Declared, a right gather passes; one whose backward
+    does not sum the CP ranks' gradients fails (1/cp of the truth); the same faulty gather under
+    the share convention passes: the convention must be the framework's to catch it."""
+    scenarios = [s for s in get_suite("smoke") if s.name in ("zigzag-tp2cp2-edges", "allgather-tp1cp4-long-prompt")]
+    assert {s.cp for s in scenarios} == {2, 4}
+    right = run_on_world(world, scenarios, "plants:GatheredLoss", tmp_path / "g.json", "smoke")
+    assert right.exit_code == 0, right.stdout
+    assert "loss: over the whole gathered sequence on every CP rank" in right.stdout
+    wrong = run_on_world(world, scenarios, "plants:GatheredLossNoGradSum", tmp_path / "w.json", "smoke")
+    assert wrong.exit_code == 1
+    for v in wrong.report["scenarios"]:
+        assert set(v["kinds"]) == {"grad_mismatch"}, (v["name"], v["kinds"])
+    hidden = run_on_world(world, scenarios, "plants:ShareOfGatheredNoGradSum", tmp_path / "s.json", "smoke")
+    assert hidden.exit_code == 0, hidden.stdout

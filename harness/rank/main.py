@@ -378,22 +378,28 @@ class RankRunner:
         entropy = outputs.entropy if sc.with_entropy else None
         # the reference runs where the rank computes: on its GPU under nccl, in row chunks
         ref_device = self.device if getattr(self.device, "type", "cpu") == "cuda" else None
-        sign = definitions(target).entropy_sign  # the reference follows the target's definition
+        # the reference follows the target's definitions: its entropy's sign, and what it owes
+        # (its share, or with CP every token, the loss over the gathered sequence / cp on each rank)
+        defined = definitions(target)
+        sign, owed = defined.entropy_sign, shard.owed_layout(layout, defined.loss_over)
         if reference:  # the values are compared before the backward runs
-            _add(found, errors, compare_outputs(layout, data, outputs.log_probs, entropy, self.rank, ref_device,
+            _add(found, errors, compare_outputs(owed, data, outputs.log_probs, entropy, self.rank, ref_device,
                                                 sign))
         if form == "policy":
             if reference:
-                _add(found, errors, compare_loss(layout, data, outputs.loss, self.rank, ref_device, sign))
+                _add(found, errors, compare_loss(owed, data, outputs.loss, self.rank, ref_device, sign))
             # a malformed loss is reported above; the rank has nothing to differentiate, and its
             # peers' backward collectives then show the asymmetry
             fed = policy_gradients(outputs.loss)
         else:
             # Differentiate whatever is well formed, so a malformed output on one rank does not
             # leave its peers alone in a backward collective.
-            fed = share_gradients(outputs.log_probs, entropy, shard.share_weights(data, layout), sc.entropy_coef)
+            weights = shard.share_weights(data, owed)
+            if owed is not layout:  # every CP rank's loss is the whole sequence's, divided by cp
+                weights = [(w_lp / sc.cp, w_ent / sc.cp) for w_lp, w_ent in weights]
+            fed = share_gradients(outputs.log_probs, entropy, weights, sc.entropy_coef)
         if inplace:
-            guard_gradients(guard, layout, fed)
+            guard_gradients(guard, owed, fed)
         if fed:
             with guard.writes_watch(explain):
                 torch.autograd.backward([f.output for f in fed], [f.grad for f in fed])
@@ -401,5 +407,5 @@ class RankRunner:
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         if reference:
             _add(found, errors, compare_grad(layout, data, grad, self.rank, ref_device, sign))
-        produced = rank_outputs(layout, outputs.log_probs, entropy, grad) if checks.outputs else None
+        produced = rank_outputs(owed, outputs.log_probs, entropy, grad) if checks.outputs else None
         return description(target), produced

@@ -108,6 +108,16 @@ def global_positions(layout: RankLayout) -> list[tuple[int, int]]:
     return [(i, j) for i, js in enumerate(layout.share) for j in js]
 
 
+def owed_layout(layout: RankLayout, loss_over: str) -> RankLayout:
+    """The layout of what a rank owes: its share, or under a "gathered" definition with CP every
+    response token of every sample (the target's outputs gathered over CP)."""
+    if loss_over != "gathered" or layout.scenario.cp == 1:
+        return layout
+    import dataclasses
+
+    return dataclasses.replace(layout, share=tuple(tuple(range(s.response)) for s in layout.scenario.samples))
+
+
 def share_weights(data: ScenarioData, layout: RankLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sample, the loss weights of the rank's share tokens, in output order."""
     out = []
