@@ -2,7 +2,9 @@
 
 gloo runs everywhere, on CPU. nccl needs one CUDA device per rank on the node: one GPU cannot
 hold a multi-rank NCCL world, so a single GPU runs a world of one rank. "auto" takes nccl when
-every rank gets its own device and gloo otherwise, and says why.
+every rank gets its own device and gloo otherwise, and says why. "gloo-cuda" keeps gloo's
+collectives but puts every rank's tensors on a CUDA device, GPUs shared (rank modulo their number):
+a CP world of code that needs CUDA tensors (NeMo-RL's CP backward) on a machine with one GPU.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "gloo-cuda")
+# the backends whose ranks compute on a CUDA device
+ON_CUDA = ("nccl", "gloo-cuda")
 
 
 def choose_backend(requested: str, nproc: int, *, cuda_available: bool | None = None,
@@ -29,6 +33,10 @@ def choose_backend(requested: str, nproc: int, *, cuda_available: bool | None = 
     gpus = device_count if cuda_available else 0
     if requested == "gloo":
         return "gloo", "asked for"
+    if requested == "gloo-cuda":
+        if gpus == 0:
+            raise BadInput("--backend gloo-cuda needs CUDA, and none is available here (use gloo)")
+        return "gloo-cuda", f"asked for: {nproc} rank(s) sharing {gpus} GPU(s), gloo collectives"
     if requested == "nccl":
         if gpus == 0:
             raise BadInput("--backend nccl needs CUDA, and none is available here (use gloo)")
@@ -48,8 +56,22 @@ def rank_device(backend: str, rank: int) -> Any:
     current so that collectives and allocations land there."""
     import torch
 
-    if backend != "nccl":
+    if backend not in ON_CUDA:
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
+
+
+def process_group_backend(backend: str) -> str:
+    """What torch.distributed is given for ``backend`` (gloo-cuda is gloo on CUDA tensors)."""
+    return "gloo" if backend == "gloo-cuda" else backend
+
+
+def requested_backend() -> str:
+    """The backend the command was asked for (``--backend``), as the CLI exports it to targets
+    deciding what they can run before the world starts; "auto" when not said."""
+    return os.environ.get(BACKEND_ENV, "auto")
+
+
+BACKEND_ENV = "SHARDCHECK_BACKEND"

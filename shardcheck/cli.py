@@ -138,8 +138,9 @@ def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False, si
                    help="start the world even past this machine's bounds: more ranks than 8 a core or than "
                         "its memory holds, or a scenario whose estimated memory does not fit")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="torch.distributed backend: nccl (one GPU per rank), gloo (CPU), or auto: nccl when "
-                        "every rank gets a GPU, else gloo (default: auto)")
+                   help="torch.distributed backend: nccl (one GPU per rank), gloo (CPU), gloo-cuda (gloo "
+                        "collectives on CUDA tensors, ranks sharing the GPUs), or auto: nccl when every rank "
+                        "gets a GPU, else gloo (default: auto)")
     _target_options(p)
     p.add_argument("--no-lockstep", action="store_true",
                    help="trace collectives without the lockstep check; a hang then lasts until --timeout")
@@ -206,6 +207,11 @@ def _use_target_config(args: argparse.Namespace) -> None:
     for key in (SRC_ENV, OPTS_ENV):  # the command line decides, not a value left in the shell
         os.environ.pop(key, None)
     os.environ.update(config.to_environment())
+    from shardcheck.harness.backend import BACKEND_ENV
+
+    os.environ.pop(BACKEND_ENV, None)
+    if getattr(args, "backend", None):  # what a target can run may depend on where its ranks compute
+        os.environ[BACKEND_ENV] = args.backend
 
 
 def _target_args(args: argparse.Namespace) -> list[str]:

@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from shardcheck.harness.backend import BACKENDS
+
 MARKER = "multigpu"
 DEFAULT_NPROC = 4
 
@@ -46,7 +48,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="an option for the target, repeatable (as shardcheck run --target-opt)")
     group.addoption("--shardcheck-html-report", default=None, metavar="FILE",
                     help="one HTML page for every scenario the session checks (as shardcheck run --html-report)")
-    group.addoption("--shardcheck-backend", default="auto", choices=("auto", "gloo", "nccl"),
+    group.addoption("--shardcheck-backend", default="auto", choices=BACKENDS,
                     help="torch.distributed backend (default auto: nccl with one GPU per rank, else gloo)")
     group.addoption("--shardcheck-nproc", type=int, default=None, metavar="N",
                     help=f"ranks shardcheck starts (default {DEFAULT_NPROC}; under torchrun: its world)")

@@ -202,21 +202,38 @@ class Definitions:
     zigzag share of each response) or "gathered" (each CP rank returns every response token, as
     gathered over CP, and takes the loss over the whole gathered sequence divided by the CP size:
     NeMo-RL's convention). The reference's gradient is the same global loss's either way; under
-    "gathered" a backward that does not sum the CP ranks' gradients is off by the CP size."""
+    "gathered" a backward that does not sum the CP ranks' gradients is off by the CP size.
+
+    ``entropy_over``: the same for the entropy where it differs from the log-probs' (None: as
+    ``loss_over``), or "held": with CP each rank returns, and takes the loss over, the tokens its
+    own rows score as the layout put them (the framework's, where it owns it). NeMo-RL gathers
+    its log-probs over CP but computes its entropy on each rank's own rows: ``loss_over=
+    "gathered", entropy_over="held"``."""
 
     entropy_sign: int = 1
     entropy_source: str = ""  # whose definition, e.g. "NeMo-RL's ChunkedDistributedEntropy"
     loss_over: str = "share"
     loss_source: str = ""
+    entropy_over: str | None = None
+
+    @property
+    def entropy_loss_over(self) -> str:
+        """What the entropy's loss is taken over: its own declaration, else the log-probs'."""
+        return self.entropy_over or self.loss_over
 
     def describe(self) -> dict[str, str]:
         out: dict[str, str] = {}
         if self.entropy_sign != 1:
             out["entropy"] = (f"sum p log p, the negative entropy ({self.entropy_source}); the reference's entropy "
                               "and its gradient are negated to match")
-        if self.loss_over == "gathered":
+        if "gathered" in (self.loss_over, self.entropy_loss_over):
+            fields = {"log-probs": self.loss_over, "entropy": self.entropy_loss_over}
+            gathered = " and ".join(f for f, over in fields.items() if over == "gathered")
+            own = [(f, over) for f, over in fields.items() if over != "gathered"]
+            where = {"held": "the tokens each rank's own rows score", "share": "each rank's own share"}
             out["loss"] = (f"over the whole gathered sequence on every CP rank, divided by the CP size "
-                           f"({self.loss_source}); every CP rank's values are checked for every response token")
+                           f"({self.loss_source}); every CP rank's {gathered} checked for every response token"
+                           + (f"; the {own[0][0]} on {where[own[0][1]]}" if own else ""))
         return out
 
 

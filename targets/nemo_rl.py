@@ -361,8 +361,13 @@ class NemoRLTarget:
             (str(DATA_FILE),) if self.data_path is not None else ()) + (
             (str(LOSS_UTILS_FILE), str(WRAPPER_FILE)) if self._through_loss() else ())
         self.capabilities = self._capabilities()
-        # ChunkedDistributedEntropy returns sum p log p: the reference follows, the adapter never negates
-        self.definitions = Definitions(entropy_sign=-1, entropy_source=f"NeMo-RL's {ENTROPY}")
+        # ChunkedDistributedEntropy returns sum p log p: the reference follows, the adapter never negates.
+        # With CP every log-prob path gathers (AllGatherCPTensor, allgather_cp_sharded_tensor): each
+        # CP rank holds, and takes its loss over, the whole sequence; the entropy stays on its own rows.
+        self.definitions = Definitions(entropy_sign=-1, entropy_source=f"NeMo-RL's {ENTROPY}",
+                                       loss_over="gathered", entropy_over="held",
+                                       loss_source="NeMo-RL's log-probs gathered over CP by AllGatherCPTensor / "
+                                                   "allgather_cp_sharded_tensor")
         self._mod: Any = None
         self._sampling_mod: Any = None
         self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
@@ -397,11 +402,12 @@ class NemoRLTarget:
         cp_sizes = None
         cp_reason = ""
         line = era["cp_backward_needs_cuda"]
-        if line and not self.cp_on_cpu and _cuda_devices() < 2:
+        if line and not self.cp_on_cpu and not _ranks_on_cuda():
             cp_sizes = frozenset({1})
             cp_reason = (f"NeMo-RL's AllGatherCPTensor.backward (model_utils.py:{line}) builds its index with "
-                         "pin_memory=True and .cuda(): cp > 1 needs a CUDA world (nccl, one GPU per rank; "
-                         f"{_cuda_devices()} here); --target-opt cp_on_cpu=true runs it anyway")
+                         "pin_memory=True and .cuda(): cp > 1 needs ranks on CUDA (nccl, one GPU per rank, or "
+                         f"--backend gloo-cuda; {_cuda_devices()} GPU(s) here); --target-opt cp_on_cpu=true runs "
+                         "it anyway")
         kwargs: dict[str, Any] = {}
         if cp_sizes is not None:
             kwargs["cp_sizes"] = cp_sizes
@@ -544,9 +550,7 @@ class NemoRLTarget:
             log_probs = self._packed(mod, logits, inputs, start, end, chunk, sampling)
         entropy = None
         if inputs.with_entropy:
-            rows = inputs.scored_rows()
-            if rows is None:
-                raise ValueError(f"nemo_rl: layout {inputs.layout} has no local rows for the share")
+            rows = [r for r, _ in inputs.held_rows()]  # its own rows (declared: entropy_over="held")
             # NeMo-RL's only caller (get_distillation_topk_logprobs_from_logits) chunks by
             # min(local rows, 1024); a scenario's chunk size is used where it sets one
             ent_chunk = chunk or max(1, min(int(entropy_logits.shape[1]), 1024))
@@ -568,8 +572,12 @@ class NemoRLTarget:
         return kwargs
 
     def _share(self, inputs: RankInputs) -> list[Any]:
-        """Per sample, the response token indices this rank returns (its zigzag chunks' tokens,
-        in position order: what it holds)."""
+        """Per sample, the response token indices this rank returns: with CP every one (NeMo-RL's
+        log-probs are gathered over CP, declared in self.definitions), else what it holds."""
+        if inputs.cp_size > 1:
+            import torch
+
+            return [torch.arange(response) for response in inputs.response_lengths]
         return [tokens for _, tokens in inputs.held_rows()]
 
     def _bshd(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int, chunk: int | None,
@@ -645,6 +653,15 @@ class NemoRLTarget:
         asked = scenario_sampling(inputs)
         top_k, top_p = asked if asked is not None else (None, 1.0)
         return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
+
+
+def _ranks_on_cuda() -> bool:
+    """Whether this command's ranks compute on CUDA: asked for (nccl, gloo-cuda), or auto with
+    two GPUs or more (a CP world under auto then gets nccl where it has one GPU per rank)."""
+    from shardcheck.harness.backend import ON_CUDA, requested_backend
+
+    asked = requested_backend()
+    return asked in ON_CUDA or (asked == "auto" and _cuda_devices() >= 2)
 
 
 def _cuda_devices() -> int:

@@ -784,6 +784,32 @@ class GatheredLoss(BuiltinTarget):
                            _gathered(inputs, out.entropy, self.sums_grads) if out.entropy is not None else None)
 
 
+class GatheredLogProbs(BuiltinTarget):
+    """NeMo-RL's shape: log-probs gathered over CP (every token on every CP rank, loss over the
+    gathered sequence / cp), the entropy on each rank's own rows; declared field by field."""
+
+    name = "plants:GatheredLogProbs"
+    entropy_over: str | None = "held"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardcheck.targets.base import Definitions
+
+        self.definitions = Definitions(loss_over="gathered", entropy_over=self.entropy_over, loss_source="a plant")
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        # on the harness's zigzag rows the tokens a rank's rows score are its share
+        return RankOutputs(_gathered(inputs, out.log_probs, True), out.entropy)
+
+
+class GatheredLogProbsEntropyUndeclared(GatheredLogProbs):
+    """The same declaring only ``loss_over``: its own-rows entropy is then short of the tokens owed."""
+
+    name = "plants:GatheredLogProbsEntropyUndeclared"
+    entropy_over = None
+
+
 class GatheredLossNoGradSum(GatheredLoss):
     """The same with a gather whose backward does not sum the CP ranks' gradients: under the
     gathered convention each rank's gradient is 1/cp of the truth."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.backend import choose_backend, rank_device
+from shardcheck.harness.backend import choose_backend, process_group_backend, rank_device
 from shardcheck.harness.controller.joined import launched_by_torchrun
 
 
@@ -27,6 +27,16 @@ def test_nccl_asked_for_without_enough_gpus_is_one_line():
     with pytest.raises(BadInput, match="unknown backend 'mpi'"):
         choose_backend("mpi", 1, cuda_available=False, device_count=0)
     assert choose_backend("gloo", 4, cuda_available=True, device_count=8)[0] == "gloo"
+
+
+def test_gloo_cuda_shares_the_gpus_with_gloo_collectives():
+    """A CP world on one GPU (code whose CP needs CUDA tensors): every rank on a GPU, gloo's
+    collectives; it needs CUDA, and says so in one line where there is none."""
+    backend, why = choose_backend("gloo-cuda", 4, cuda_available=True, device_count=1)
+    assert backend == "gloo-cuda" and "4 rank(s) sharing 1 GPU(s)" in why
+    assert process_group_backend(backend) == "gloo" and process_group_backend("nccl") == "nccl"
+    with pytest.raises(BadInput, match="gloo-cuda needs CUDA"):
+        choose_backend("gloo-cuda", 2, cuda_available=False, device_count=0)
 
 
 def test_gloo_ranks_compute_on_the_cpu():

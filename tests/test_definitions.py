@@ -51,3 +51,21 @@ def test_the_loss_over_the_gathered_sequence_is_checked_as_declared(tmp_path, wo
         assert set(v["kinds"]) == {"grad_mismatch"}, (v["name"], v["kinds"])
     hidden = run_on_world(world, scenarios, "plants:ShareOfGatheredNoGradSum", tmp_path / "s.json", "smoke")
     assert hidden.exit_code == 0, hidden.stdout
+
+
+@pytest.mark.world
+def test_log_probs_gathered_and_entropy_on_own_rows_are_declared_field_by_field(tmp_path, world):
+    """NeMo-RL gathers its log-probs over CP but computes its entropy on each rank's own rows:
+    declared so (entropy_over="held"), both pass, the gradient of both terms checked; declared as
+    a whole, the entropy is short of the tokens owed and fails."""
+    scenarios = [s for s in get_suite("smoke") if s.name == "zigzag-tp2cp2-edges"]
+    assert scenarios[0].with_entropy and scenarios[0].entropy_coef != 0
+    right = run_on_world(world, scenarios, "plants:GatheredLogProbs", tmp_path / "f.json", "smoke")
+    assert right.exit_code == 0, right.stdout
+    assert ("every CP rank's log-probs checked for every response token; the entropy on the tokens each rank's "
+            "own rows score" in right.stdout)
+    whole = run_on_world(world, scenarios, "plants:GatheredLogProbsEntropyUndeclared", tmp_path / "u.json", "smoke")
+    assert whole.exit_code == 1
+    failures = whole.report["scenarios"][0]["failures"]
+    assert any(f["kind"] == "value_mismatch" and f["message"].startswith("entropy of sample 0 has shape")
+               for f in failures), failures

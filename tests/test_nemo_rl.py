@@ -125,6 +125,11 @@ def test_cp_needs_cuda_where_the_source_builds_its_index_on_cuda(tmp_path, monke
     assert new.capabilities.skip_reason(_scenario("thd-tp2cp1-many")) is None
     forced = nemo_rl.target(config=TargetConfig(src, (("cp_on_cpu", "true"),)))
     assert forced.capabilities.skip_reason(_scenario("zigzag-tp2cp2-many")) is None
+    monkeypatch.setenv("SHARDCHECK_BACKEND", "gloo-cuda")  # ranks on a (shared) GPU, asked for
+    assert nemo_rl.target(config=TargetConfig(src)).capabilities.skip_reason(_scenario("zigzag-tp2cp2-many")) is None
+    monkeypatch.setenv("SHARDCHECK_BACKEND", "gloo")
+    assert nemo_rl.target(config=TargetConfig(src)).capabilities.skip_reason(_scenario("zigzag-tp2cp2-many"))
+    monkeypatch.setenv("SHARDCHECK_BACKEND", "auto")
     monkeypatch.setattr(nemo_rl, "_cuda_devices", lambda: 2)  # a CP world can be nccl there
     assert nemo_rl.target(config=TargetConfig(src)).capabilities.skip_reason(_scenario("zigzag-tp2cp2-many")) is None
     with pytest.raises(BadInput, match="cp_on_cpu='maybe'"):
@@ -289,6 +294,49 @@ def test_cp_on_a_cpu_world_fails_with_nemo_rls_error(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     failure = verdicts["zigzag-tp1cp2-many"]["failures"][0]
     assert failure["kind"] == "rank_error" and "model_utils.py" in failure["message"], failure
+
+
+CUDA_INDEX = 'device="cpu", pin_memory=True\n        ).cuda(non_blocking=True)'
+ALL_REDUCE = "        torch.distributed.all_reduce(grad_output, group=ctx.cp_group)\n"
+
+
+def _cp_on_this_device(root, *, all_reduce: bool = True):
+    """A copy of the checkout's nemo_rl/ whose AllGatherCPTensor.backward builds its index on the
+    gradient's device (its one .cuda() line; nothing else changed), so NeMo-RL's CP runs on a CPU
+    world; ``all_reduce=False`` also removes the backward's sum over the CP ranks (the plant)."""
+    import shutil
+
+    shutil.copytree(os.path.join(NEMO_RL_SRC, "nemo_rl"), root / "nemo_rl",
+                    ignore=lambda d, names: [n for n in names if not n.endswith(".py")
+                                             and not os.path.isdir(os.path.join(d, n))])
+    utils = root / "nemo_rl" / "distributed" / "model_utils.py"
+    text = utils.read_text()
+    assert text.count(CUDA_INDEX) == 1 and text.count(ALL_REDUCE) == 1, "AllGatherCPTensor.backward changed"
+    text = text.replace(CUDA_INDEX, 'device="cpu"\n        ).to(grad_output.device)')
+    utils.write_text(text if all_reduce else text.replace(ALL_REDUCE, "        pass  # planted\n"))
+    return root
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_nemo_rls_cp_is_checked_over_the_gathered_sequence(tmp_path):
+    """NeMo-RL's log-probs are gathered over CP (every CP rank holds, and takes its loss over, the
+    whole sequence) and its entropy is computed on each rank's own rows: declared so, the reference
+    follows. With the backward's one CUDA line ported to the rank's device (a CPU world), every
+    zigzag scenario passes; with the backward's all-reduce removed every CP rank's gradient is
+    1/cp of the truth, and it fails grad_mismatch (under each rank's share it would pass)."""
+    zigzag = ["zigzag-tp1cp2-edges", "zigzag-tp2cp2-many", "zigzag-tp1cp4-long-prompt"]
+    args = ["--suite", "smoke", *[a for n in zigzag for a in ("--scenario", n)], "--target-opt", "cp_on_cpu=true"]
+    right = _cp_on_this_device(tmp_path / "right")
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:per_sequence", "--target-src", str(right), *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert {v["verdict"] for v in verdicts.values()} == {"pass"}
+    assert "every CP rank's log-probs checked" in doc["target"]["definitions"]["loss"]
+    planted = _cp_on_this_device(tmp_path / "planted", all_reduce=False)
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl:per_sequence", "--target-src", str(planted), *args)
+    assert proc.returncode == 1
+    for name, v in verdicts.items():
+        assert set(v["kinds"]) == {"grad_mismatch"}, (name, v["kinds"])
 
 
 @needs_nemo_rl

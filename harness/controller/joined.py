@@ -69,7 +69,7 @@ class JoinedWorld:
     def start(self) -> None:
         import torch.distributed as dist
 
-        from shardcheck.harness.backend import choose_backend, rank_device
+        from shardcheck.harness.backend import choose_backend, process_group_backend, rank_device
         from shardcheck.harness.rank.main import prepare
 
         t0 = time.perf_counter()
@@ -84,7 +84,7 @@ class JoinedWorld:
         device = rank_device(self.backend, self.rank)
         if not joining_existing:
             kwargs = {"device_id": device} if self.backend == "nccl" else {}
-            dist.init_process_group(self.backend, init_method="env://", timeout=timeout, **kwargs)
+            dist.init_process_group(process_group_backend(self.backend), init_method="env://", timeout=timeout, **kwargs)
             self._owns_group = True
         self._exchange = dist.new_group(backend="gloo", timeout=timeout)
         # The lockstep check needs a store of its own: rank 0 serves one on a port the OS picks.

@@ -62,17 +62,20 @@ def compare_outputs(
     rank: int,
     device: torch.device | None = None,
     entropy_sign: int = 1,
+    entropy_layout: RankLayout | None = None,
 ) -> tuple[list[Failure], dict[str, float]]:
     """Check the per-sample outputs: their structure first, then every value (the reference runs
-    on ``device`` when given; its entropy times ``entropy_sign``, the target's definition)."""
+    on ``device`` when given; its entropy times ``entropy_sign``, the target's definition). The
+    entropy owes what ``entropy_layout`` says where it differs from the log-probs' ``layout``."""
     sc = layout.scenario
     failures: list[Failure] = []
     fields = {"log_probs": log_probs}
     if sc.with_entropy:
         fields["entropy"] = entropy
+    owed = {"log_probs": layout, "entropy": entropy_layout or layout}
     structure_ok = True
     for name, outs in fields.items():
-        problem = _structure_problem(name, outs, layout)
+        problem = _structure_problem(name, outs, owed[name])
         if problem:
             sample, msg = problem
             failures.append(Failure(VALUE_MISMATCH, msg, [rank], field=name, sample=sample))
@@ -80,14 +83,16 @@ def compare_outputs(
     if not structure_ok:
         return failures, {}
     ref_lp, ref_ent = shard.share_truth(data, layout, device)
+    if owed["entropy"] is not layout and "entropy" in fields:
+        ref_ent = shard.share_truth(data, owed["entropy"], device)[1]
     ref_ent = ref_ent * entropy_sign
-    positions = shard.global_positions(layout)
     tol = TOLERANCES[sc.dtype]["values"]
     errors = {}
     for name, want in (("log_probs", ref_lp), ("entropy", ref_ent)):
         if name not in fields:
             continue
         outs = fields[name]
+        positions = shard.global_positions(owed[name])
         got = torch.cat([o.detach().reshape(-1).cpu().double() for o in outs]) if outs else want[:0]
         errors[name] = _max_error(got, want)
         bad = mismatch_mask(got, want, tol).nonzero().flatten().tolist()

@@ -182,10 +182,12 @@ def guard_inputs(rank: int, layout: Any, data: Any, inputs: Any, leaf: torch.Ten
     return guard
 
 
-def guard_gradients(guard: InputGuard, layout: Any, fed: list[Any]) -> None:
-    """Watch the gradients the harness feeds into the target's outputs (see harness/loss.py)."""
+def guard_gradients(guard: InputGuard, layout: Any, fed: list[Any], entropy_layout: Any = None) -> None:
+    """Watch the gradients the harness feeds into the target's outputs (see harness/loss.py); the
+    entropy's elements are ``entropy_layout``'s tokens where it owes other tokens."""
     for f in fed:
-        locate = (_share_locator(layout, f.sample) if f.sample is not None
+        owed = entropy_layout if f.field == "entropy" and entropy_layout is not None else layout
+        locate = (_share_locator(owed, f.sample) if f.sample is not None
                   else lambda k: ({}, "the scalar"))
         guard.watch(f"grad of {f.field}", f.grad, None, locate)
 

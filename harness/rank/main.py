@@ -51,7 +51,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         import torch
         import torch.distributed as dist
 
-        from shardcheck.harness.backend import rank_device
+        from shardcheck.harness.backend import process_group_backend, rank_device
 
         torch.set_num_threads(1)
         backend = options.get("backend", "gloo")
@@ -59,7 +59,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         timeout = datetime.timedelta(seconds=options["collective_timeout"])
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=options["start_timeout"]))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world_size, timeout=timeout)
         runner = prepare(rank, world_size, "127.0.0.1", store_port, options, device)
     except BaseException as exc:  # noqa: BLE001  (reported to the controller, then exit)
         conn.send(wire.message(wire.FATAL, error=wire.error_payload(exc)))
@@ -382,9 +382,10 @@ class RankRunner:
         # (its share, or with CP every token, the loss over the gathered sequence / cp on each rank)
         defined = definitions(target)
         sign, owed = defined.entropy_sign, shard.owed_layout(layout, defined.loss_over)
+        owed_entropy = shard.owed_layout(layout, defined.entropy_loss_over)
         if reference:  # the values are compared before the backward runs
             _add(found, errors, compare_outputs(owed, data, outputs.log_probs, entropy, self.rank, ref_device,
-                                                sign))
+                                                sign, owed_entropy))
         if form == "policy":
             if reference:
                 _add(found, errors, compare_loss(owed, data, outputs.loss, self.rank, ref_device, sign))
@@ -394,12 +395,14 @@ class RankRunner:
         else:
             # Differentiate whatever is well formed, so a malformed output on one rank does not
             # leave its peers alone in a backward collective.
-            weights = shard.share_weights(data, owed)
-            if owed is not layout:  # every CP rank's loss is the whole sequence's, divided by cp
-                weights = [(w_lp / sc.cp, w_ent / sc.cp) for w_lp, w_ent in weights]
+            # where a field is owed gathered, every CP rank's loss is the whole sequence's / cp
+            lp_scale, ent_scale = (sc.cp if over == "gathered" else 1
+                                   for over in (defined.loss_over, defined.entropy_loss_over))
+            weights = [(w_lp / lp_scale, w_ent / ent_scale) for (w_lp, _), (_, w_ent)
+                       in zip(shard.share_weights(data, owed), shard.share_weights(data, owed_entropy))]
             fed = share_gradients(outputs.log_probs, entropy, weights, sc.entropy_coef)
         if inplace:
-            guard_gradients(guard, owed, fed)
+            guard_gradients(guard, owed, fed, owed_entropy)
         if fed:
             with guard.writes_watch(explain):
                 torch.autograd.backward([f.output for f in fed], [f.grad for f in fed])
@@ -407,5 +410,5 @@ class RankRunner:
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         if reference:
             _add(found, errors, compare_grad(layout, data, grad, self.rank, ref_device, sign))
-        produced = rank_outputs(owed, outputs.log_probs, entropy, grad) if checks.outputs else None
+        produced = rank_outputs(owed, outputs.log_probs, entropy, grad, owed_entropy) if checks.outputs else None
         return description(target), produced

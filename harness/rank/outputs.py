@@ -22,16 +22,18 @@ def rank_outputs(
     log_probs: Sequence[Any] | None,
     entropy: Sequence[Any] | None,
     grad: torch.Tensor,
+    entropy_layout: RankLayout | None = None,
 ) -> dict[str, Any]:
     """``{"values": {field: [(sample, tokens, tensor)]}, "grad": [(sample, first position,
-    first column, tensor [rows, columns])]}``, all on the CPU."""
+    first column, tensor [rows, columns])]}``, all on the CPU; the entropy's tokens are
+    ``entropy_layout``'s share where it owes other tokens than the log-probs."""
     values: dict[str, list] = {}
-    for name, outs in (("log_probs", log_probs), ("entropy", entropy)):
-        if outs is None or len(outs) != len(layout.share):
+    for name, outs, owed in (("log_probs", log_probs, layout), ("entropy", entropy, entropy_layout or layout)):
+        if outs is None or len(outs) != len(owed.share):
             continue
         values[name] = [
             (i, list(js), out.detach().reshape(-1).cpu())
-            for i, (out, js) in enumerate(zip(outs, layout.share))
+            for i, (out, js) in enumerate(zip(outs, owed.share))
             if isinstance(out, torch.Tensor) and out.numel() == len(js)
         ]
     rows = grad.detach().reshape(layout.num_rows, -1).cpu()

@@ -109,12 +109,15 @@ def global_positions(layout: RankLayout) -> list[tuple[int, int]]:
 
 
 def owed_layout(layout: RankLayout, loss_over: str) -> RankLayout:
-    """The layout of what a rank owes: its share, or under a "gathered" definition with CP every
-    response token of every sample (the target's outputs gathered over CP)."""
-    if loss_over != "gathered" or layout.scenario.cp == 1:
+    """The layout of what a rank owes: its share; under a "gathered" definition with CP every
+    response token of every sample (the target's outputs gathered over CP); under "held" the
+    tokens its own rows score, as the layout (the framework's, where it owns it) put them."""
+    if loss_over not in ("gathered", "held") or layout.scenario.cp == 1:
         return layout
     import dataclasses
 
+    if loss_over == "held":
+        return dataclasses.replace(layout, share=tuple(tuple(tokens.tolist()) for _, tokens in local_held_rows(layout)))
     return dataclasses.replace(layout, share=tuple(tuple(range(s.response)) for s in layout.scenario.samples))
 
 
