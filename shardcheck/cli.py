@@ -20,6 +20,7 @@ from typing import Any
 
 from shardcheck.errors import BadInput, ShardcheckError
 from shardcheck.harness.backend import BACKENDS
+from shardcheck.targets.source import export_sources, source_env, source_flag, source_names
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_NOTHING_CHECKED = 5  # as pytest's "no tests collected": a green that checked nothing is not green
@@ -74,10 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--html-report", metavar="FILE", help="the matrix as a self-contained HTML page, updated likewise")
     v.add_argument("--nproc", type=int, default=None, help="ranks in the world (default: 4, or more if a scenario needs)")
     b = sub.add_parser("bisect", help="find the first commit of a target's source where a suite's verdict changes")
-    b.add_argument("--target", default="slime",
-                   help="a target that takes --target-src: slime, slime:policy_loss, verl, nemo_rl, ... (default: slime)")
-    b.add_argument("--src-repo", "--slime-repo", dest="src_repo", required=True, metavar="GIT_DIR",
-                   help="the target's git repository, e.g. a clone of THUDM/slime (only read)")
+    b.add_argument("--target", default=None,
+                   help="a target that takes a source checkout, NAME or NAME:VARIANT, e.g. slime:policy_loss "
+                        "(default: NAME of the --NAME-repo given)")
+    repos = b.add_mutually_exclusive_group(required=True)
+    repos.add_argument("--src-repo", dest="src_repo", metavar="GIT_DIR",
+                       help="the target's git repository, a clone with its history (only read)")
+    for name in source_names():
+        repos.add_argument(f"--{name.replace('_', '-')}-repo", dest=f"repo_{name}", metavar="GIT_DIR",
+                           help=f"--src-repo GIT_DIR, the target {name} unless --target says otherwise")
     b.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="an option for the target (repeatable)")
     b.add_argument("--good", required=True, metavar="REV", help="the older commit")
@@ -149,12 +155,9 @@ def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False, si
 
 def _target_options(p: argparse.ArgumentParser) -> None:
     """Where the target's code is and how it is configured."""
-    p.add_argument("--slime-src", metavar="DIR",
-                   help="slime source checkout for --target slime (or set SHARDCHECK_SLIME_SRC)")
-    p.add_argument("--verl-src", metavar="DIR",
-                   help="verl source checkout for --target verl (or set SHARDCHECK_VERL_SRC)")
-    p.add_argument("--nemo-rl-src", metavar="DIR",
-                   help="NeMo-RL source checkout for --target nemo_rl (or set SHARDCHECK_NEMO_RL_SRC)")
+    for name in source_names():  # each framework target registers its own (shardcheck.sources)
+        p.add_argument(source_flag(name), dest=f"src_{name}", metavar="DIR",
+                       help=f"{name} source checkout for --target {name} (or set {source_env(name)})")
     p.add_argument("--target-src", metavar="DIR",
                    help="a source checkout for the target, whichever it is (its factory's config.src)")
     p.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
@@ -191,14 +194,7 @@ def _use_target_config(args: argparse.Namespace) -> None:
     (each rank is handed the controller's)."""
     from shardcheck.targets.base import OPTS_ENV, SRC_ENV, TargetConfig
 
-    if getattr(args, "slime_src", None):
-        from shardcheck.targets.slime import ENV, slime_source
-
-        os.environ[ENV] = str(slime_source(args.slime_src))
-    for option, module in (("verl_src", "verl"), ("nemo_rl_src", "nemo_rl")):
-        if getattr(args, option, None):
-            checked = importlib.import_module(f"shardcheck.targets.{module}")
-            os.environ[checked.ENV] = str(checked.source(getattr(args, option)))
+    export_sources({name: getattr(args, f"src_{name}", None) for name in source_names()})
     src = getattr(args, "target_src", None)
     try:
         config = TargetConfig.given(src, tuple(getattr(args, "target_opt", None) or ()))
@@ -217,9 +213,11 @@ def _use_target_config(args: argparse.Namespace) -> None:
 def _target_args(args: argparse.Namespace) -> list[str]:
     """The target's options as the user gave them, to repeat a run."""
     out: list[str] = []
-    for option in ("slime_src", "verl_src", "nemo_rl_src", "target_src"):
-        if getattr(args, option, None):
-            out += [f"--{option.replace('_', '-')}", getattr(args, option)]
+    for name in source_names():
+        if getattr(args, f"src_{name}", None):
+            out += [source_flag(name), getattr(args, f"src_{name}")]
+    if getattr(args, "target_src", None):
+        out += ["--target-src", args.target_src]
     for key, value in getattr(args, "target_opt", None) or ():
         out += ["--target-opt", f"{key}={value}"]
     return out
@@ -535,6 +533,16 @@ def _bisect(args: argparse.Namespace) -> int:
 
     from shardcheck.targets.base import OPTS_ENV, TargetConfig
 
+    for name in source_names():
+        if getattr(args, f"repo_{name}", None):
+            args.src_repo = getattr(args, f"repo_{name}")
+            if args.target is None:
+                args.target = name
+            elif args.target.partition(":")[0] != name:
+                raise BadInput(f"--{name.replace('_', '-')}-repo names a {name} repository, but --target is "
+                               f"{args.target!r}")
+    if args.target is None:
+        raise BadInput("bisect --src-repo needs --target NAME (or give --NAME-repo GIT_DIR)")
     args.scenario_file = None
     scenarios = _select(args)
     os.environ.pop(OPTS_ENV, None)

@@ -21,13 +21,22 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import (Capabilities, PolicyBatch, RankInputs, RankOutputs, Target, TargetConfig,
-                                     loss_form)
 
 GROUP = "shardcheck.targets"
 
 __all__ = ["Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "TargetConfig", "available",
            "loss_form", "resolve"]
+_FROM_BASE = ("Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "TargetConfig", "loss_form")
+
+
+def __getattr__(name: str) -> Any:
+    # base imports torch: a command line that only needs a target's source flag (targets.source)
+    # must not pay for it
+    if name in _FROM_BASE:
+        from shardcheck.targets import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _registered() -> dict[str, Any]:
@@ -53,6 +62,8 @@ def available() -> list[dict[str, Any]]:
 def resolve(spec: str, config: TargetConfig | None = None) -> Target:
     """The target a spec names, configured by ``config`` (default: the one in the environment);
     BadInput (one line) when it cannot be found, configured or built."""
+    from shardcheck.targets.base import TargetConfig
+
     if config is None:
         try:
             config = TargetConfig.from_environment()
@@ -123,9 +134,11 @@ def _build(spec: str, obj: Any, variant: str | None, config: TargetConfig) -> Ta
         except Exception as exc:
             raise BadInput(f"target {spec!r} could not be built: {type(exc).__name__}: {exc}") from None
     if not _is_target(target):
-        raise BadInput(f"target {spec!r} does not provide name, capabilities, describe() and compute()")
+        raise BadInput(f"target {spec!r} does not provide name, capabilities, describe(), compute() and release()")
     return target
 
 
 def _is_target(obj: Any) -> bool:
+    from shardcheck.targets.base import Target
+
     return not isinstance(obj, type) and isinstance(obj, Target)

@@ -124,28 +124,6 @@ def parse_option(text: str) -> tuple[str, str]:
 
 SRC_ENV = "SHARDCHECK_TARGET_SRC"
 OPTS_ENV = "SHARDCHECK_TARGET_OPTS"
-COMMIT_ENV = "SHARDCHECK_TARGET_COMMIT"  # the commit a source without .git was exported from (bisect)
-
-
-def source_commit(src: Any) -> str | None:
-    """The commit a target's source checkout is at: ``SHARDCHECK_TARGET_COMMIT`` when bisect
-    exported it, else ``git rev-parse HEAD`` there; None for a folder that is not the top of a
-    git work tree (an exported tree inside another repository must not take its commit)."""
-    import os
-    import subprocess
-    from pathlib import Path
-
-    if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV]
-    try:
-        out = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = out.stdout.split()
-    if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != Path(src).resolve():
-        return None
-    return lines[1]
 
 
 @dataclass
@@ -461,3 +439,8 @@ class Target(Protocol):
         ...
 
     def compute(self, inputs: RankInputs) -> RankOutputs: ...
+
+    def release(self) -> None:
+        """Undo whatever the target set in the process (imports, stubs, settings): the rank moves
+        on to another target. A target that sets nothing does nothing."""
+        ...

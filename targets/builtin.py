@@ -213,6 +213,9 @@ class BuiltinTarget:
         return torch.nn.functional.pad(value, (before, response - before - value.numel()))
 
     # -- the entry point ------------------------------------------------------------------
+    def release(self) -> None:
+        """Nothing to undo: it sets nothing process-wide."""
+
     def compute(self, inputs: RankInputs) -> RankOutputs:
         logits = inputs.logits
         if logits.dim() != 3:

@@ -33,6 +33,9 @@ class MegatronTarget:
         return {"name": self.name, "version": version("megatron-core"),
                 "function": "megatron.core.tensor_parallel.vocab_parallel_cross_entropy"}
 
+    def release(self) -> None:
+        """Nothing to undo: it sets nothing process-wide."""
+
     def compute(self, inputs: RankInputs) -> RankOutputs:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 

@@ -51,7 +51,8 @@ Loading: the modules are NeMo-RL's own files, imported under their own names fro
 The package ``__init__.py`` files are not run (``nemo_rl/__init__.py`` configures the root
 logger, sets ``RAY_USAGE_STATS_ENABLED`` and edits ``sys.path``); no bytecode is written into the
 checkout; a module it imports that is missing here is stubbed only if it is in
-:data:`STUBBABLE`, and ``describe()`` says which. ``release()`` undoes all of it.
+:data:`STUBBABLE`, and ``describe()`` says which. ``release()`` undoes all of it (all of which
+:mod:`shardcheck.targets.checkout` does for every framework target).
 
 The signatures changed over NeMo-RL's history; :func:`detect_era` reads them from the source
 (``group`` -> ``tp_group``, ``cp_group``, ``chunk_size``, ``sampling_params``,
@@ -61,26 +62,20 @@ The signatures changed over NeMo-RL's history; :func:`detect_era` reads them fro
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import inspect
-import os
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
-                                     layout_description, layout_option, source_commit)
+                                     layout_description, layout_option)
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
 from shardcheck.targets.nemo_rl_data import (DATA_FILE, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath, NemoRLLossPath,
                                              has_fused_loss, has_packing, has_unfused_loss)
-from shardcheck.targets.stub import Stub
+from shardcheck.targets.source import Framework, parameters
 
-ENV = "SHARDCHECK_NEMO_RL_SRC"
 MODEL_UTILS = Path("nemo_rl/distributed/model_utils.py")
 MODULE = "nemo_rl.distributed.model_utils"
 SAMPLING_MODULE = "nemo_rl.algorithms.logits_sampling_utils"
@@ -104,35 +99,22 @@ OPTIONS = {
 }
 
 
-def source(src: str | None = None) -> Path:
-    """The checkout named by ``src`` (``--nemo-rl-src``/``--target-src``) or SHARDCHECK_NEMO_RL_SRC;
-    BadInput (one line) naming the problem when it is not given or not a NeMo-RL checkout."""
-    value = src or os.environ.get(ENV)
-    if not value:
-        raise BadInput(f"the nemo_rl target needs a NeMo-RL source checkout: give --nemo-rl-src DIR or set {ENV}")
-    path = Path(value).expanduser().resolve()
-    if not (path / MODEL_UTILS).is_file():
-        raise BadInput(f"{str(path)!r} is not a NeMo-RL checkout (no {MODEL_UTILS})")
-    return path
-
-
-def _params(fn: ast.FunctionDef) -> list[str]:
-    return [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+FRAMEWORK = Framework("nemo_rl", "NeMo-RL", str(MODEL_UTILS), ("nemo_rl",), STUBBABLE,
+                      clone="a clone of NVIDIA-NeMo/RL; never pip install nemo-rl")
+ENV = FRAMEWORK.env
+source = FRAMEWORK.source
 
 
 def detect_era(src: Path) -> dict[str, Any]:
     """What this checkout's model_utils offers and how its functions are called, from its source."""
-    text = (src / MODEL_UTILS).read_text()
-    try:
-        tree = ast.parse(text)
-    except SyntaxError as exc:
-        raise BadInput(f"NeMo-RL at {src} cannot be imported: {MODEL_UTILS} line {exc.lineno}: {exc.msg}") from None
+    tree = FRAMEWORK.parse(src, MODEL_UTILS)
+    assert tree is not None  # the source's marker: FRAMEWORK.source checked it is there
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     if LOGPROBS not in functions:
         raise BadInput(f"{src / MODEL_UTILS} has no {LOGPROBS}")
-    logprobs = _params(functions[LOGPROBS])
-    packed = _params(functions[PACKED]) if PACKED in functions else None
+    logprobs = parameters(functions[LOGPROBS])
+    packed = parameters(functions[PACKED]) if PACKED in functions else None
     # x.cuda(...), torch.cuda.*, pin_memory=True, device="cuda": what needs a CUDA device
     cuda_lines = sorted({(n.end_lineno or n.lineno, _enclosing(tree, n)) for n in ast.walk(tree)
                          if (isinstance(n, ast.Attribute) and n.attr == "cuda")
@@ -167,76 +149,6 @@ def _enclosing(tree: ast.Module, node: ast.AST) -> str:
                         return f"{top.name}.{sub.name}"
             return top.name
     return "<module>"
-
-
-class _Packages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``nemo_rl`` and its sub-packages from the checkout, as packages whose ``__init__.py`` is not
-    run; their modules are the checkout's files, loaded as they are."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.shells: list[str] = []
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "nemo_rl" and not name.startswith("nemo_rl."):
-            return None
-        where = self.root.joinpath(*name.split("."))
-        if where.is_dir():
-            spec = importlib.machinery.ModuleSpec(name, self, is_package=True)
-            spec.submodule_search_locations = [str(where)]
-            return spec
-        if where.with_suffix(".py").is_file():
-            return importlib.util.spec_from_file_location(name, where.with_suffix(".py"))
-        return None
-
-    def create_module(self, spec: Any) -> None:
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self.shells.append(module.__name__)  # an empty package: its __init__.py is not run
-
-
-def import_model_utils(src: Path, undo: list | None = None) -> tuple[types.ModuleType, types.ModuleType | None,
-                                                                      list[str], list[str]]:
-    """NeMo-RL's model_utils (and logits_sampling_utils where it exists) from ``src``, the modules
-    stubbed and the packages whose ``__init__.py`` was not run. What this sets process-wide is put
-    back by the callables appended to ``undo``."""
-    undo = [] if undo is None else undo
-    ours = lambda m: m == "nemo_rl" or m.startswith("nemo_rl.")  # noqa: E731
-    saved = {m: sys.modules.pop(m) for m in [m for m in sys.modules if ours(m)]}
-    before = set(sys.modules)
-
-    def restore() -> None:
-        for m in [m for m in sys.modules if m not in before and (ours(m) or m in STUBBABLE)]:
-            del sys.modules[m]
-        sys.modules.update(saved)
-
-    undo.append(restore)
-    finder = _Packages(src)
-    sys.meta_path.insert(0, finder)
-    undo.append(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
-    wrote_bytecode = sys.dont_write_bytecode
-    undo.append(lambda: setattr(sys, "dont_write_bytecode", wrote_bytecode))
-    sys.dont_write_bytecode = True  # never write into the user's checkout
-    stubs: list[str] = []
-    for _ in range(len(STUBBABLE) + 1):
-        try:
-            module = importlib.import_module(MODULE)
-            break
-        except ModuleNotFoundError as exc:
-            missing = (exc.name or "").split(".")[0]
-            if missing not in STUBBABLE or missing in stubs:
-                raise BadInput(f"NeMo-RL at {src} cannot be imported: {exc}") from None
-            for name in [m for m in sys.modules if ours(m)]:
-                del sys.modules[name]
-            sys.modules[missing] = Stub(missing)
-            stubs.append(missing)
-        except Exception as exc:  # a broken commit: reported as such
-            raise BadInput(f"NeMo-RL at {src} cannot be imported: {type(exc).__name__}: {exc}") from None
-    else:
-        raise BadInput(f"NeMo-RL at {src} cannot be imported")
-    sampling = sys.modules.get(SAMPLING_MODULE)
-    return module, sampling, stubs, list(dict.fromkeys(finder.shells))  # a retry after a stub runs them again
 
 
 class _Capabilities(Capabilities):
@@ -322,8 +234,10 @@ VARIANTS = {
 }
 
 
-class NemoRLTarget:
+class NemoRLTarget(CheckoutTarget):
     """NVIDIA-NeMo/RL's from_parallel_logits_to_logprobs(_packed_sequences) and ChunkedDistributedEntropy from a source checkout (--nemo-rl-src, --target-src or SHARDCHECK_NEMO_RL_SRC)"""
+
+    framework = FRAMEWORK
 
     def __init__(self, variant: str | None = None, src: str | None = None,
                  config: TargetConfig | None = None) -> None:
@@ -339,18 +253,17 @@ class NemoRLTarget:
         self.layout_option = layout
         self.variant = variant
         self.name = "nemo_rl" if variant is None else f"nemo_rl:{variant}"
-        self.src = source(src)
+        super().__init__(src)
         self.era = detect_era(self.src)
         self.era["packing"], self.era["fused_loss"] = has_packing(self.src), has_fused_loss(self.src)
         self.era["unfused_loss"] = has_unfused_loss(self.src)
-        self.commit = source_commit(self.src)
         if variant == "pre_rolled" and not self.era["pre_rolled"]:
-            raise BadInput(f"NeMo-RL at {self._short()} has no target_is_pre_rolled (the fused packed loss came "
+            raise BadInput(f"NeMo-RL at {self.short()} has no target_is_pre_rolled (the fused packed loss came "
                            "later): use the default nemo_rl target")
         if variant == "sampling" and not self.era["sampling"]:
-            raise BadInput(f"NeMo-RL at {self._short()} takes no sampling_params (top-k/top-p came later)")
+            raise BadInput(f"NeMo-RL at {self.short()} takes no sampling_params (top-k/top-p came later)")
         if variant == "fused_loss" and not self.era["fused_loss"]:
-            raise BadInput(f"NeMo-RL at {self._short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
+            raise BadInput(f"NeMo-RL at {self.short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
                            "later): use nemo_rl:pre_rolled")
         self.data_path = (NemoRLDataPath(self.src, self._module)
                           if layout == "framework" and self.era["packing"] and self.era["packed"] else None)
@@ -371,12 +284,6 @@ class NemoRLTarget:
         self._mod: Any = None
         self._sampling_mod: Any = None
         self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
-        self._undo: list[Any] = []
-        self.stubs: list[str] = []
-        self.package_inits_not_run: list[str] = []
-
-    def _short(self) -> str:
-        return self.commit[:10] if self.commit else self.src.name
 
     def _capabilities(self) -> Capabilities:
         era = self.era
@@ -393,11 +300,11 @@ class NemoRLTarget:
             if era["cp"]:
                 layouts.add("zigzag")
             else:
-                reasons["zigzag"] = f"NeMo-RL at {self._short()}: {LOGPROBS} takes no cp_group (no CP yet)"
+                reasons["zigzag"] = f"NeMo-RL at {self.short()}: {LOGPROBS} takes no cp_group (no CP yet)"
         elif era["packed"]:
             layouts |= {"thd", "zigzag"}
         else:
-            reasons["thd"] = reasons["zigzag"] = (f"NeMo-RL at {self._short()} has no {PACKED} "
+            reasons["thd"] = reasons["zigzag"] = (f"NeMo-RL at {self.short()} has no {PACKED} "
                                                   "(sequence packing came later)")
         cp_sizes = None
         cp_reason = ""
@@ -415,29 +322,22 @@ class NemoRLTarget:
             layout_reasons=reasons, sampling=self.variant == "sampling", framework_rows=self.data_path is not None,
             layouts=frozenset(layouts), entropy=bool(era["entropy"]),
             replay_keep=False,
-            reasons=(("layout", f"NeMo-RL at {self._short()} supports {', '.join(sorted(layouts))}"),
-                     ("entropy", f"NeMo-RL at {self._short()} has no {ENTROPY}"),
+            reasons=(("layout", f"NeMo-RL at {self.short()} supports {', '.join(sorted(layouts))}"),
+                     ("entropy", f"NeMo-RL at {self.short()} has no {ENTROPY}"),
                      ("cp", cp_reason),
                      ("replay_keep", "NeMo-RL does not replay the rollout's keep sets: it recomputes "
                                      "top-k/top-p from the training logits (nemo_rl:sampling)")),
             **kwargs,
         )
 
-    def release(self) -> None:
-        """Undo what importing NeMo-RL set in this process (the rank moves to another target)."""
-        while self._undo:
-            self._undo.pop()()
+    def forget(self) -> None:
         self._mod = self._sampling_mod = self._loss_path = None
         if self.data_path is not None:
             self.data_path.release()
 
-    def describe(self) -> dict[str, Any]:
-        version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
+    def description(self) -> dict[str, Any]:
         return {
-            "name": self.name, "version": version, "commit": self.commit, "src": str(self.src),
             "era": {k: v for k, v in self.era.items() if k not in ("logprobs_params", "packed_params")},
-            "stubbed_modules": self.stubs,
-            "package_inits_not_run": self.package_inits_not_run,
             "functions": self._functions(),
             "entropy": f"{ENTROPY} (sum p log p, the negative entropy, as NeMo-RL defines it)",
             "definitions": self.definitions.describe(),
@@ -466,8 +366,8 @@ class NemoRLTarget:
 
     def _module(self) -> Any:
         if self._mod is None:
-            self._mod, self._sampling_mod, self.stubs, self.package_inits_not_run = import_model_utils(
-                self.src, self._undo)
+            self._mod = self.import_module(MODULE)
+            self._sampling_mod = sys.modules.get(SAMPLING_MODULE)  # imported by model_utils where it exists
             self._logprobs_params = set(inspect.signature(getattr(self._mod, LOGPROBS)).parameters)
             packed = getattr(self._mod, PACKED, None)
             self._packed_params = set(inspect.signature(packed).parameters) if packed is not None else set()
@@ -564,7 +464,7 @@ class NemoRLTarget:
         if "cp_group" in params:
             kwargs["cp_group"] = inputs.cp_group
         elif inputs.cp_size > 1:
-            raise ValueError(f"NeMo-RL at {self._short()} takes no cp_group here")
+            raise ValueError(f"NeMo-RL at {self.short()} takes no cp_group here")
         if "chunk_size" in params:
             kwargs["chunk_size"] = chunk
         if sampling is not None:
@@ -649,7 +549,7 @@ class NemoRLTarget:
     def _sampling_params(self, inputs: RankInputs) -> Any:
         cls = getattr(self._sampling_mod, "TrainingSamplingParams", None)
         if cls is None:
-            raise ValueError(f"NeMo-RL at {self._short()} has no TrainingSamplingParams")
+            raise ValueError(f"NeMo-RL at {self.short()} has no TrainingSamplingParams")
         asked = scenario_sampling(inputs)
         top_k, top_p = asked if asked is not None else (None, 1.0)
         return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
@@ -673,13 +573,8 @@ def _cuda_devices() -> int:
         return 0
 
 
-def target(variant: str | None = None, config: TargetConfig | None = None) -> NemoRLTarget:
-    """NVIDIA-NeMo/RL's from_parallel_logits_to_logprobs(_packed_sequences) and ChunkedDistributedEntropy from a source checkout (--nemo-rl-src, --target-src or SHARDCHECK_NEMO_RL_SRC)
-
-    Variants: per_sequence, pre_rolled, sampling (``shardcheck targets``)."""
-    src = config.src if config is not None else None
-    return NemoRLTarget(variant, src, config)
-
-
-target.options = dict(OPTIONS)  # type: ignore[attr-defined]
-target.variants = dict(VARIANTS)  # type: ignore[attr-defined]
+target = CheckoutFactory(
+    FRAMEWORK, lambda variant, config: NemoRLTarget(variant, config.src, config),
+    doc=("NVIDIA-NeMo/RL's from_parallel_logits_to_logprobs(_packed_sequences) and ChunkedDistributedEntropy from a "
+         "source checkout (--nemo-rl-src, --target-src or SHARDCHECK_NEMO_RL_SRC)"),
+    options=OPTIONS, variants=VARIANTS)

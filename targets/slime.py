@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import inspect
-import os
-import sys
 import types
 from argparse import Namespace
 from pathlib import Path
@@ -40,42 +37,29 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.targets.base import (Capabilities, RankInputs, RankOutputs, Rollout, TargetConfig, layout_description,
-                                     layout_option, source_commit)
+                                     layout_option)
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
 from shardcheck.targets.passthrough import Recorder
 from shardcheck.targets.slime_data import SlimeDataPath, cpu_accelerator, read_get_batch
-from shardcheck.targets.stub import Stub
+from shardcheck.targets.source import Framework, functions_named
 
-ENV = "SHARDCHECK_SLIME_SRC"
 LOSS_MODULE = "slime.backends.megatron_utils.loss"
 LOSS_FILE = Path("slime/backends/megatron_utils/loss.py")
 STUBBABLE = ("httpx", "ray", "sglang", "wandb", "tensorboard", "transformers", "datasets", "deep_ep")
 
 
-def source(src: str | None = None) -> Path:
-    """The checkout named by ``src`` (``--slime-src``/``--target-src``) or SHARDCHECK_SLIME_SRC."""
-    return slime_source(src)
-
-
-def slime_source(src: str | None = None) -> Path:
-    """The checkout to import slime from; BadInput naming the problem if it is not usable."""
-    value = src or os.environ.get(ENV)
-    if not value:
-        raise BadInput(f"the slime target needs a slime source checkout: give --slime-src DIR or set {ENV}")
-    path = Path(value).expanduser().resolve()
-    if not (path / LOSS_FILE).is_file():
-        raise BadInput(f"{str(path)!r} is not a slime checkout (no {LOSS_FILE})")
-    return path
+# slime's megatron_utils/__init__.py sets up its accelerator, as in every slime run: package inits run
+FRAMEWORK = Framework("slime", "slime", str(LOSS_FILE), ("slime",), STUBBABLE, package_inits="run", eager=True,
+                      clone="a clone of THUDM/slime; the PyPI package named slime is another one")
+ENV = FRAMEWORK.env
+source = FRAMEWORK.source
 
 
 def detect_era(src: Path) -> dict[str, Any]:
     """What this checkout's get_log_probs_and_entropy takes and returns, read from its source."""
+    tree = FRAMEWORK.parse(src, LOSS_FILE)
     text = (src / LOSS_FILE).read_text()
-    try:
-        tree = ast.parse(text)
-    except SyntaxError as exc:
-        raise BadInput(f"slime at {src} cannot be imported: {LOSS_FILE} line {exc.lineno}: {exc.msg}") from None
-    fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_log_probs_and_entropy"),
-              None)
+    fn = next(iter(functions_named(tree, "get_log_probs_and_entropy")), None)
     if fn is None:
         raise BadInput(f"{src / LOSS_FILE} has no get_log_probs_and_entropy")
     params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
@@ -96,47 +80,6 @@ def detect_era(src: Path) -> dict[str, Any]:
     }
 
 
-def import_slime(src: Path, undo: list | None = None, module: str = LOSS_MODULE) -> tuple[types.ModuleType, list[str]]:
-    """Import one of slime's modules (its loss module by default) from ``src``; stub missing
-    modules it does not need here.
-
-    Everything this sets process-wide is put back by the callables appended to ``undo`` (run
-    in reverse order): the environment, torch's dynamo switch, sys.path, and the modules added.
-    """
-    undo = [] if undo is None else undo
-    before = set(sys.modules)
-    undo.append(lambda: [sys.modules.pop(m) for m in set(sys.modules) - before
-                         if m == "slime" or m.startswith("slime.") or m in STUBBABLE])
-    if "TORCHDYNAMO_DISABLE" not in os.environ:
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        undo.append(lambda: os.environ.pop("TORCHDYNAMO_DISABLE", None))
-    import torch._dynamo
-
-    was_disabled, wrote_bytecode = torch._dynamo.config.disable, sys.dont_write_bytecode
-    undo.append(lambda: setattr(torch._dynamo.config, "disable", was_disabled))
-    undo.append(lambda: setattr(sys, "dont_write_bytecode", wrote_bytecode))
-    torch._dynamo.config.disable = True
-    sys.dont_write_bytecode = True  # never write into the user's checkout
-    if str(src) not in sys.path:
-        sys.path.insert(0, str(src))
-        undo.append(lambda: sys.path.remove(str(src)) if str(src) in sys.path else None)
-    stubs: list[str] = []
-    for _ in range(len(STUBBABLE) + 1):
-        try:
-            return importlib.import_module(module), stubs
-        except ModuleNotFoundError as exc:
-            missing = (exc.name or "").split(".")[0]
-            if missing not in STUBBABLE or missing in stubs:
-                raise BadInput(f"slime at {src} cannot be imported: {exc}") from None
-            for name in [m for m in sys.modules if m == "slime" or m.startswith("slime.")]:
-                del sys.modules[name]
-            sys.modules[missing] = Stub(missing)
-            stubs.append(missing)
-        except Exception as exc:  # a broken commit: reported as such (bisect skips it)
-            raise BadInput(f"slime at {src} cannot be imported: {type(exc).__name__}: {exc}") from None
-    raise BadInput(f"slime at {src} cannot be imported")
-
-
 class _Args(Namespace):
     """slime's ``args``: the fields set from the scenario; a read of any other is recorded."""
 
@@ -146,8 +89,10 @@ class _Args(Namespace):
         raise AttributeError(name)
 
 
-class SlimeTarget:
+class SlimeTarget(CheckoutTarget):
     """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src / SHARDCHECK_SLIME_SRC)"""
+
+    framework = FRAMEWORK
 
     name = "slime"
     # the modules of slime's log-prob path, from the batch to the loss (--coverage measures them)
@@ -155,9 +100,8 @@ class SlimeTarget:
                        "slime/backends/megatron_utils/loss.py", "slime/utils/ppo_utils.py")
 
     def __init__(self, src: str | None = None, layout: str = "framework") -> None:
-        self.src = slime_source(src)
+        super().__init__(src)
         self.era = detect_era(self.src)
-        self.commit = os.environ.get("SHARDCHECK_SLIME_COMMIT") or source_commit(self.src)
         layouts = {"thd", "zigzag"} | ({"allgather"} if self.era["allgather_cp"] else set()) | (
             {"bshd"} if self.era["qkv_format"] else set())
         self.capabilities = Capabilities(
@@ -171,8 +115,6 @@ class SlimeTarget:
                       f"slime at {(self.commit or '?')[:10]}: this entry point passes no top-p replay on")),
         )
         self._fn: Any = None
-        self._undo: list[Any] = []
-        self.stubs: list[str] = []
         self.missing_args: set[str] = set()
         self.device_notes: list[str] = []
         # slime's get_batch lays the rows out (the default), or shardcheck does (layout=shardcheck)
@@ -186,29 +128,21 @@ class SlimeTarget:
 
     def import_module(self, name: str) -> types.ModuleType:
         """One of slime's modules from the checkout (stubs and settings undone by release())."""
-        module, stubs = import_slime(self.src, self._undo, name)
-        self.stubs = sorted(set(self.stubs) | set(stubs))
+        module = super().import_module(name)
         if not self.device_notes:
-            note = cpu_accelerator(self.src, lambda n: import_slime(self.src, self._undo, n)[0])
+            note = cpu_accelerator(self.src, super().import_module)
             self.device_notes = [note] if note else ["none"]
         return module
 
-    def release(self) -> None:
-        """Undo what importing slime set in this process (the rank moves to another target)."""
-        while self._undo:
-            self._undo.pop()()
+    def forget(self) -> None:
         self._fn = None
         self.device_notes = []
         if self.data_path is not None:
             self.data_path = SlimeDataPath(self, self.data_path.found)
         self.__dict__.pop("_policy_fns", None)  # slime:policy_loss's functions, imported with it
 
-    def describe(self) -> dict[str, Any]:
-        # a checkout without git history is named by its path, not as "unknown"
-        version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
-        return {"name": self.name, "version": version, "commit": self.commit,
-                "src": str(self.src), "era": self.era, "stubbed_modules": self.stubs,
-                "args_read_but_not_set": sorted(self.missing_args),
+    def description(self) -> dict[str, Any]:
+        return {"args_read_but_not_set": sorted(self.missing_args),
                 "data_path": layout_description(self.data_path, self.layout_option, "no get_batch"),
                 "cpu_world": [n for n in self.device_notes if n != "none"] +
                 (self.data_path.shims if self.data_path is not None else [])}
@@ -309,7 +243,7 @@ class SlimePolicyLossTarget(SlimeTarget):
             if not isinstance(recorder, Recorder):
                 recorder = Recorder(recorder)
                 module.get_log_probs_and_entropy = recorder
-            cp_utils = importlib.import_module("slime.backends.megatron_utils.cp_utils")
+            cp_utils = self.import_module("slime.backends.megatron_utils.cp_utils")
             self._fn = recorder.fn
             self._params = set(inspect.signature(recorder.fn).parameters)
             self._policy_fns = (module.policy_loss_function, cp_utils.get_sum_of_sample_mean, recorder)
@@ -408,20 +342,17 @@ class SlimeLossTarget(SlimePolicyLossTarget):
         return loss, list(log.get("keys", []))
 
 
-def target(variant: str | None = None, config: TargetConfig | None = None) -> SlimeTarget:
-    """THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src, --target-src or SHARDCHECK_SLIME_SRC)
-
-    With the variant ``policy_loss``, its policy_loss_function instead."""
-    src = config.src if config is not None else None
+def _build(variant: str | None, config: TargetConfig) -> SlimeTarget:
     layout = layout_option(config, framework="framework (slime's get_batch)")
     kinds = {None: SlimeTarget, "policy_loss": SlimePolicyLossTarget, "loss": SlimeLossTarget}
-    if variant not in kinds:
-        raise BadInput(f"target 'slime' has no variant {variant!r} (known: loss, policy_loss)")
-    return kinds[variant](src, layout)
+    return kinds[variant](config.src, layout)
 
 
-target.options = {"layout": "framework (default): slime's get_batch lays out each rank's rows; shardcheck: the "  # type: ignore[attr-defined]
-                            "harness's own layout, handed to slime's functions as before"}
-target.variants = {"policy_loss": " ".join((SlimePolicyLossTarget.__doc__ or "").split()),  # type: ignore[attr-defined]
-                   "loss": " ".join((SlimeLossTarget.__doc__ or "").split())}
-
+target = CheckoutFactory(
+    FRAMEWORK, _build,
+    doc=("THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src, --target-src or "
+         "SHARDCHECK_SLIME_SRC)\n\nWith the variant ``policy_loss``, its policy_loss_function instead."),
+    options={"layout": "framework (default): slime's get_batch lays out each rank's rows; shardcheck: the harness's "
+                       "own layout, handed to slime's functions as before"},
+    variants={"policy_loss": " ".join((SlimePolicyLossTarget.__doc__ or "").split()),
+              "loss": " ".join((SlimeLossTarget.__doc__ or "").split())})

@@ -63,11 +63,7 @@ checkout (one line); nothing is guessed.
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.abc
-import importlib.machinery
 import logging
-import os
 import builtins
 import functools
 import symtable
@@ -80,11 +76,11 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import (Capabilities, RankInputs, RankOutputs, TargetConfig, layout_description,
-                                     layout_option, source_commit)
-from shardcheck.targets.stub import Stub
+                                     layout_option)
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.source import Framework, functions_named, parameters
 from shardcheck.targets.verl_data import data_path_for
 
-ENV = "SHARDCHECK_VERL_SRC"
 TP_FILE = Path("verl/utils/megatron/tensor_parallel.py")
 TP_MODULE = "verl.utils.megatron.tensor_parallel"
 LEGACY_FILE = Path("verl/workers/actor/megatron_actor.py")
@@ -122,42 +118,10 @@ OPTIONS = {
 }
 
 
-def source(src: str | None = None) -> Path:
-    """The checkout named by ``src`` (``--verl-src``/``--target-src``) or SHARDCHECK_VERL_SRC;
-    BadInput (one line) naming the problem when it is not usable."""
-    value = src or os.environ.get(ENV)
-    if not value:
-        raise BadInput(f"the verl target needs a verl source checkout: give --verl-src DIR or set {ENV}")
-    path = Path(value).expanduser().resolve()
-    if not path.is_dir():
-        raise BadInput(f"verl source {str(path)!r} is not a directory")
-    if not (path / TP_FILE).is_file():
-        raise BadInput(f"{str(path)!r} is not a verl checkout (no {TP_FILE})")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------
-# era: what the checkout has, read from its source (nothing imported)
-
-
-def _parse(src: Path, rel: Path) -> ast.Module | None:
-    path = src / rel
-    if not path.is_file():
-        return None
-    try:
-        return ast.parse(path.read_text(), filename=str(path))
-    except SyntaxError as exc:
-        raise BadInput(f"verl at {src} cannot be read: {rel} line {exc.lineno}: {exc.msg}") from None
-
-
-def _functions(tree: ast.AST | None, name: str) -> list[ast.FunctionDef]:
-    if tree is None:
-        return []
-    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
-
-
-def _params(fn: ast.FunctionDef) -> list[str]:
-    return [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+FRAMEWORK = Framework("verl", "verl", str(TP_FILE), ("verl",), STUBBABLE, package_inits="skip_above", eager=True,
+                      clone="a clone of verl-project/verl; never pip install verl")
+ENV = FRAMEWORK.env
+source = FRAMEWORK.source
 
 
 def _engine_site(tree: ast.Module | None) -> tuple[ast.FunctionDef, str] | None:
@@ -167,9 +131,9 @@ def _engine_site(tree: ast.Module | None) -> tuple[ast.FunctionDef, str] | None:
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         if cls.name != "MegatronEngineWithLMHead":
             continue
-        for fn in _functions(cls, "_lm_head_logits_processor"):
+        for fn in functions_named(cls, "_lm_head_logits_processor"):
             return fn, "MegatronEngineWithLMHead._lm_head_logits_processor"
-        for fn in _functions(cls, "logits_processor"):
+        for fn in functions_named(cls, "logits_processor"):
             return fn, "MegatronEngineWithLMHead.forward_step.logits_processor"
     return None
 
@@ -178,7 +142,7 @@ def _legacy_site(tree: ast.Module | None) -> tuple[ast.FunctionDef, str] | None:
     if tree is None:
         return None
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        for fn in _functions(cls, "logits_processor"):
+        for fn in functions_named(cls, "logits_processor"):
             return fn, f"{cls.name}.forward_backward_batch.logits_processor"
     return None
 
@@ -191,7 +155,7 @@ def _site_facts(fn: ast.FunctionDef) -> dict[str, Any]:
     order = [n for n in names if n in ("vocab_parallel_entropy", "vocab_parallel_entropy_with_chunking",
                                        "vocab_parallel_log_probs_from_logits")]
     return {
-        "params": _params(fn),
+        "params": parameters(fn),
         "temperature": "temperature" in text,
         "clones_for_entropy": ".clone()" in text,
         "first_call": order[0] if order else None,
@@ -203,13 +167,13 @@ def _site_facts(fn: ast.FunctionDef) -> dict[str, Any]:
 def detect_era(src: Path) -> dict[str, Any]:
     """What this checkout has, read from its source: the tensor_parallel functions, the actor's
     call sites (legacy MegatronPPOActor, engine) and the engine's packing functions."""
-    tp = _parse(src, TP_FILE)
-    functions = [f for f in FUNCTIONS if _functions(tp, f)]
+    tp = FRAMEWORK.parse(src, TP_FILE)
+    functions = [f for f in FUNCTIONS if functions_named(tp, f)]
     for needed in ("vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits"):
         if needed not in functions:
             raise BadInput(f"verl at {src}: {TP_FILE} has no {needed}")
     entropy_fwd = next((fn for cls in ast.walk(tp) if isinstance(cls, ast.ClassDef)
-                        and cls.name == "_VocabParallelEntropy" for fn in _functions(cls, "forward")), None)
+                        and cls.name == "_VocabParallelEntropy" for fn in functions_named(cls, "forward")), None)
     era: dict[str, Any] = {
         "functions": functions,
         "entropy_compiled": bool(entropy_fwd is not None and "torch.compile" in ast.unparse(entropy_fwd)),
@@ -217,17 +181,17 @@ def detect_era(src: Path) -> dict[str, Any]:
         "packing": None,
     }
     for kind, rel, find in (("legacy", LEGACY_FILE, _legacy_site), ("engine", ENGINE_FILE, _engine_site)):
-        found = find(_parse(src, rel))
+        found = find(FRAMEWORK.parse(src, rel))
         if found is not None:
             fn, qualname = found
             era["call_sites"][kind] = {"file": str(rel), "function": qualname, "line": fn.lineno, **_site_facts(fn)}
-    util = _parse(src, UTIL_FILE)
+    util = FRAMEWORK.parse(src, UTIL_FILE)
     for pre, post in PACKERS:
-        fns = _functions(util, pre)
-        if fns and _functions(util, post):
-            params = _params(fns[0])
+        fns = functions_named(util, pre)
+        if fns and functions_named(util, post):
+            params = parameters(fns[0])
             bshd = next(((b_pre, b_post) for b_pre, b_post in BSHD_PACKERS
-                         if _functions(util, b_pre) and _functions(util, b_post)), None)
+                         if functions_named(util, b_pre) and functions_named(util, b_post)), None)
             era["packing"] = {"preprocess": pre, "postprocess": post, "need_roll": "need_roll" in params,
                               "cp_layout": "cp_layout" in params,
                               "bshd": None if bshd is None else {"preprocess": bshd[0], "postprocess": bshd[1]}}
@@ -239,92 +203,10 @@ def detect_era(src: Path) -> dict[str, Any]:
 # import: verl's files without verl's package __init__ files, stubs only for missing modules
 
 
-class _Packages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """The verl packages that hold the modules imported (``verl``, ``verl.utils``, ...) as empty
-    packages: their ``__init__.py`` (``verl/__init__.py`` imports ray, ``verl/utils/__init__.py``
-    the tokenizers, ``verl/models/mcore/__init__.py`` the model registry) is not run. Every other
-    verl package and module is imported from the checkout as usual."""
-
-    def __init__(self, src: Path, empty: set[str]) -> None:
-        self.src, self.empty = src, empty
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in self.empty:
-            return None
-        folder = self.src.joinpath(*name.split("."))
-        spec = importlib.machinery.ModuleSpec(name, self, is_package=True)
-        spec.submodule_search_locations = [str(folder)]
-        return spec
-
-    def create_module(self, spec: Any) -> None:
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
 @functools.lru_cache(None)
 def _warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
     """transformers' ``Logger.warning_once``: each distinct message once."""
     self.warning(*args, **kwargs)
-
-
-def _stubbable(name: str) -> str | None:
-    return next((s for s in STUBBABLE if name == s or name.startswith(s + ".")), None)
-
-
-def import_verl(src: Path, modules: list[str], undo: list) -> tuple[dict[str, types.ModuleType], list[str]]:
-    """Import ``modules`` from the checkout; stub missing third-party modules they import.
-
-    Everything this sets process-wide is put back by the callables appended to ``undo`` (run in
-    reverse order): the finder, the modules added, torch's dynamo switch, the bytecode flag, the
-    environment."""
-    before = set(sys.modules)
-    empty = {".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 1)}
-    finder = _Packages(src, empty)
-    sys.meta_path.insert(0, finder)
-    undo.append(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
-    undo.append(lambda: [sys.modules.pop(m) for m in set(sys.modules) - before
-                         if m == "verl" or m.startswith("verl.") or _stubbable(m)])
-    if "TORCHDYNAMO_DISABLE" not in os.environ:
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        undo.append(lambda: os.environ.pop("TORCHDYNAMO_DISABLE", None))
-    import torch._dynamo
-
-    was_disabled, wrote_bytecode = torch._dynamo.config.disable, sys.dont_write_bytecode
-    undo.append(lambda: setattr(torch._dynamo.config, "disable", was_disabled))
-    undo.append(lambda: setattr(sys, "dont_write_bytecode", wrote_bytecode))
-    torch._dynamo.config.disable = True
-    sys.dont_write_bytecode = True  # never write into the user's checkout
-    if not hasattr(logging.Logger, "warning_once"):
-        # verl calls logger.warning_once on its module loggers (megatron_actor, models/mcore/util):
-        # a method transformers adds to logging.Logger on import, as it is in every verl run
-        logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
-        undo.append(lambda: delattr(logging.Logger, "warning_once"))
-    stubs: list[str] = []
-    out: dict[str, types.ModuleType] = {}
-    for name in modules:
-        for _ in range(4 * len(STUBBABLE)):
-            try:
-                out[name] = importlib.import_module(name)
-                break
-            except ModuleNotFoundError as exc:
-                missing = exc.name or ""
-                if not _stubbable(missing) or missing in stubs:
-                    raise BadInput(f"verl at {src} cannot be imported ({name}): {exc}") from None
-                for m in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
-                    del sys.modules[m]
-                parts = missing.split(".")
-                for i in range(1, len(parts) + 1):
-                    sys.modules.setdefault(".".join(parts[:i]), Stub(".".join(parts[:i])))
-                stubs.append(missing)
-            except BadInput:
-                raise
-            except Exception as exc:  # a broken commit: reported as such
-                raise BadInput(f"verl at {src} cannot be imported ({name}): {type(exc).__name__}: {exc}") from None
-        else:
-            raise BadInput(f"verl at {src} cannot be imported ({name})")
-    return out, stubs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,49 +272,40 @@ def _take(values: Any, rows: list) -> list:
     return [flat[r] for r in rows]
 
 
-class VerlTarget:
+class VerlTarget(CheckoutTarget):
     """verl's vocab_parallel_entropy and vocab_parallel_log_probs_from_logits from a source checkout (--verl-src / SHARDCHECK_VERL_SRC)"""
+
+    framework = FRAMEWORK
 
     name = "verl"
     # verl's log-prob modules this target runs, relative to the checkout (for coverage)
     framework_files: tuple[str, ...] = (str(TP_FILE),)
 
     def __init__(self, src: str | None = None, options: TargetConfig | None = None) -> None:
-        self.src = source(src)
+        super().__init__(src)
         self.era = detect_era(self.src)
-        self.commit = source_commit(self.src)
         config = options or TargetConfig()
         try:
             self.entropy_chunking = config.flag("entropy_chunking")
         except ValueError as exc:
             raise BadInput(f"target {self.name!r}: {exc}") from None
         if self.entropy_chunking and "vocab_parallel_entropy_with_chunking" not in self.era["functions"]:
-            raise BadInput(f"verl at {self._short()} has no vocab_parallel_entropy_with_chunking "
+            raise BadInput(f"verl at {self.short()} has no vocab_parallel_entropy_with_chunking "
                            "(entropy_chunking=true needs #6446 or later)")
         self.capabilities = self._capabilities()
-        self._undo: list[Any] = []
         self._modules: dict[str, types.ModuleType] | None = None
-        self.stubs: list[str] = []
-
-    def _short(self) -> str:
-        return (self.commit or str(self.src))[:10]
 
     def _capabilities(self) -> Capabilities:
         return VerlCapabilities(
             layouts=frozenset({"thd", "bshd", "zigzag"}), entropy=True,
             layout_reasons=(("allgather", ALLGATHER_WHY),), reasons=(("replay_keep", REPLAY_WHY),))
 
-    def release(self) -> None:
-        """Undo what importing verl set in this process (the rank moves to another target)."""
-        while self._undo:
-            self._undo.pop()()
+    def forget(self) -> None:
         self._modules = None
         self.__dict__.pop("_site", None)
 
-    def describe(self) -> dict[str, Any]:
-        version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
-        return {"name": self.name, "version": version, "commit": self.commit, "src": str(self.src),
-                "era": self.era, "stubbed_modules": self.stubs, "entropy_chunking": self.entropy_chunking,
+    def description(self) -> dict[str, Any]:
+        return {"entropy_chunking": self.entropy_chunking,
                 "not_run": "the __init__.py of the verl packages holding the modules imported (verl/__init__.py "
                            "imports ray); torch.compile runs eagerly",
                 "logging": "logging.Logger.warning_once, which transformers adds on import and verl calls, is "
@@ -442,7 +315,12 @@ class VerlTarget:
         if self._modules is None or any(n not in self._modules for n in names):
             if self._modules is not None:
                 self.release()
-            self._modules, self.stubs = import_verl(self.src, list(names), self._undo)
+            if not hasattr(logging.Logger, "warning_once"):
+                # verl calls logger.warning_once on its module loggers (megatron_actor, models/mcore/util):
+                # a method transformers adds to logging.Logger on import, as it is in every verl run
+                logging.Logger.warning_once = _warning_once  # type: ignore[attr-defined]
+                self.checkout.undo_later(lambda: delattr(logging.Logger, "warning_once"))
+            self._modules = {name: self.import_module(name) for name in names}
         return self._modules
 
     def _entropy(self, tp: types.ModuleType, logits: Any, chunk_size: int) -> Any:
@@ -530,16 +408,16 @@ class VerlActorTarget(VerlTarget):
             where = {"legacy": f"no logits_processor in {LEGACY_FILE}",
                      "engine": f"no MegatronEngineWithLMHead logits processor in {ENGINE_FILE}"}
             missing = [where[k] for k in (("legacy", "engine") if choice == "auto" else (kind,))]
-            raise BadInput(f"verl at {self._short()} has no actor call site to check: {'; '.join(missing)}")
+            raise BadInput(f"verl at {self.short()} has no actor call site to check: {'; '.join(missing)}")
         self.kind, self.site = kind, sites[kind]
         if kind == "engine":
             if self.era["packing"] is None:
-                raise BadInput(f"verl at {self._short()}: an engine call site but no packing functions in {UTIL_FILE}")
+                raise BadInput(f"verl at {self.short()}: an engine call site but no packing functions in {UTIL_FILE}")
             if "label_mask" in self.site["params"]:
-                raise BadInput(f"verl at {self._short()}: the engine call site takes label_mask, which the "
+                raise BadInput(f"verl at {self.short()}: the engine call site takes label_mask, which the "
                                "adapter does not build (the engine forward of that era is not followed)")
         if self.entropy_chunking and not self.site["entropy_chunking"]:
-            raise BadInput(f"target 'verl:actor': entropy_chunking=true, but the {kind} call site at {self._short()} "
+            raise BadInput(f"target 'verl:actor': entropy_chunking=true, but the {kind} call site at {self.short()} "
                            "never calls vocab_parallel_entropy_with_chunking")
         if layout == "framework":
             self.data_path = data_path_for(self, kind, self.era["packing"])
@@ -553,14 +431,14 @@ class VerlActorTarget(VerlTarget):
         has_bshd = self.era["packing"]["bshd"]
         reasons = [("allgather", ALLGATHER_WHY)]
         if not has_bshd:
-            reasons.append(("bshd", f"verl at {self._short()}: the engine packs thd only (no preprocess_bshd_engine "
+            reasons.append(("bshd", f"verl at {self.short()}: the engine packs thd only (no preprocess_bshd_engine "
                                     f"or preprocess_bshd_no_padding in {UTIL_FILE})"))
         return VerlCapabilities(layouts=frozenset({"thd", "zigzag"} | ({"bshd"} if has_bshd else set())),
                                 entropy=True, layout_reasons=tuple(reasons), packing=self.data_path is None,
                                 reasons=(("replay_keep", REPLAY_WHY),))
 
-    def describe(self) -> dict[str, Any]:
-        out = super().describe()
+    def description(self) -> dict[str, Any]:
+        out = super().description()
         out.update({"call_site": {"kind": self.kind, **self.site}, "call_site_option": self._choice,
                     "config_read_but_not_set": sorted(self.missing_config),
                     "data_path": layout_description(self.data_path, self.layout_option, "no packing"),
@@ -582,7 +460,7 @@ class VerlActorTarget(VerlTarget):
             unknown = [n for n in free if n not in self._known_free()] + [
                 p for p in self.site["params"] if p not in self._known_free() | {"logits", "label", "label_mask"}]
             if unknown:
-                raise BadInput(f"verl at {self._short()}: {self.site['function']} reads {', '.join(unknown)}, which "
+                raise BadInput(f"verl at {self.short()}: {self.site['function']} reads {', '.join(unknown)}, which "
                                "the adapter does not know how to set")
             self._site = (fn, namespace, free)
         return self._site
@@ -805,19 +683,17 @@ class VerlActorTarget(VerlTarget):
                                "(packing_mismatch) is wrong here")
 
 
-def target(variant: str | None = None, config: TargetConfig | None = None) -> VerlTarget:
-    """verl's Megatron log-prob and entropy functions from a source checkout (--verl-src, --target-src or SHARDCHECK_VERL_SRC)
-
-    With the variant ``actor``, the actor's own call site that combines them with the temperature."""
-    src = config.src if config is not None else None
+def _build(variant: str | None, config: TargetConfig) -> VerlTarget:
     if variant is None:
-        if config is not None and config.get("call_site") is not None:
+        if config.get("call_site") is not None:
             raise BadInput("target 'verl': option call_site applies to verl:actor only")
-        return VerlTarget(src, config)
-    if variant == "actor":
-        return VerlActorTarget(src, config)
-    raise BadInput(f"target 'verl' has no variant {variant!r} (known: actor)")
+        return VerlTarget(config.src, config)
+    return VerlActorTarget(config.src, config)
 
 
-target.options = dict(OPTIONS)  # type: ignore[attr-defined]
-target.variants = {"actor": " ".join((VerlActorTarget.__doc__ or "").split())}  # type: ignore[attr-defined]
+target = CheckoutFactory(
+    FRAMEWORK, _build,
+    doc=("verl's Megatron log-prob and entropy functions from a source checkout (--verl-src, --target-src or "
+         "SHARDCHECK_VERL_SRC)\n\nWith the variant ``actor``, the actor's own call site that combines them with "
+         "the temperature."),
+    options=OPTIONS, variants={"actor": " ".join((VerlActorTarget.__doc__ or "").split())})

@@ -123,7 +123,7 @@ class _VerlPacking:
         return {k: v for k, v in knobs.items() if k in params}
 
     def _commit(self) -> str:
-        return self.target._short()
+        return self.target.short()
 
 
 class VerlEngineDataPath(_VerlPacking):

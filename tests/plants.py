@@ -521,6 +521,9 @@ class OneDevice:
 
     name = "plants:one_device"
 
+    def release(self) -> None:
+        """Nothing to undo."""
+
     def __init__(self, config) -> None:
         from shardcheck.targets import Capabilities
 

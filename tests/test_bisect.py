@@ -187,7 +187,8 @@ def test_bisect_names_the_commit_that_changed_the_verdict(history, fake_verdicts
 
     repo, commits = history
     before = _git_state(repo)
-    code = main(["bisect", "--src-repo", str(repo), "--good", commits["c1"], "--bad", commits["c5"], *BISECT])
+    code = main(["bisect", "--src-repo", str(repo), "--target", "slime", "--good", commits["c1"], "--bad",
+                 commits["c5"], *BISECT])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert f"first commit where the verdict changes: {commits['c4']}" in out, out + err
@@ -217,6 +218,12 @@ def test_bisect_bad_input(history, cli_in_process):
     assert proc.returncode == 2 and "is not an ancestor" in proc.stderr
     proc = cli_in_process("bisect", "--slime-repo", str(repo), "--good", "nope", "--bad", commits["c1"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    # which target: named, or implied by --NAME-repo; never a framework the command line picks
+    proc = cli_in_process("bisect", "--src-repo", str(repo), "--good", commits["c1"], "--bad", commits["c5"])
+    assert proc.returncode == 2 and "needs --target NAME" in proc.stderr
+    proc = cli_in_process("bisect", "--slime-repo", str(repo), "--target", "verl", "--good", commits["c1"],
+                          "--bad", commits["c5"])
+    assert proc.returncode == 2 and "names a slime repository, but --target is 'verl'" in proc.stderr
 
 
 # -- end to end: the one real bisect, a world per commit ---------------------------------------------

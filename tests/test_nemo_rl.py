@@ -15,7 +15,8 @@ from shardcheck.errors import BadInput
 from shardcheck.scenarios import suites
 from shardcheck.targets import nemo_rl
 from shardcheck.targets.base import TargetConfig
-from shardcheck.targets.nemo_rl import ENV, detect_era, import_model_utils, source
+from shardcheck.targets.checkout import Checkout
+from shardcheck.targets.nemo_rl import ENV, FRAMEWORK, MODULE, SAMPLING_MODULE, detect_era, source
 
 NEMO_RL_SRC = os.environ.get(ENV)
 needs_nemo_rl = pytest.mark.skipif(not NEMO_RL_SRC, reason=f"{ENV} is not set: no NeMo-RL checkout to check "
@@ -150,35 +151,35 @@ def test_sampling_shape_requirements_are_skips_with_the_reason(tmp_path):
     assert nemo_rl.scenario_sampling(Scenario("s", (Sample(4, 2),), vocab=8, top_p=0.9)) == (None, 0.9)
 
 
-def test_the_import_runs_no_package_init_writes_nothing_and_is_undone(tmp_path, monkeypatch):
+def test_the_import_runs_no_package_init_writes_nothing_and_is_undone(tmp_path):
     src = _fake_checkout(tmp_path, textwrap.dedent(OLD) + "import shardcheck_absent_module\n", {
         "nemo_rl/__init__.py": "raise RuntimeError('nemo_rl/__init__.py must not run')\n",
         "nemo_rl/distributed/__init__.py": "raise RuntimeError('must not run')\n",
     })
-    monkeypatch.setattr(nemo_rl, "STUBBABLE", ("shardcheck_absent_module",))
+    import dataclasses
+
+    checkout = Checkout(dataclasses.replace(FRAMEWORK, stubbable=("shardcheck_absent_module",)), src)
     before = (set(sys.modules), list(sys.meta_path), sys.dont_write_bytecode)
-    undo: list = []
-    module, sampling, stubs, shells = import_model_utils(src, undo)
     try:
+        module = checkout.import_module(MODULE)
         assert module.__file__ == str(src / "nemo_rl/distributed/model_utils.py")
-        assert stubs == ["shardcheck_absent_module"] and sampling is None
-        assert set(shells) == {"nemo_rl", "nemo_rl.distributed"}
+        assert checkout.stubs == ["shardcheck_absent_module"] and SAMPLING_MODULE not in sys.modules
+        assert set(checkout.package_inits_not_run) == {"nemo_rl", "nemo_rl.distributed"}
     finally:
-        while undo:
-            undo.pop()()
+        checkout.release()
     assert (set(sys.modules), list(sys.meta_path), sys.dont_write_bytecode) == before
     assert not list(src.rglob("*.pyc")), "bytecode was written into the checkout"
 
 
 def test_a_missing_module_it_may_not_stub_is_one_line(tmp_path):
     src = _fake_checkout(tmp_path, textwrap.dedent(OLD) + "import shardcheck_absent_module\n")
-    undo: list = []
+    checkout = Checkout(FRAMEWORK, src)
     try:
-        with pytest.raises(BadInput, match="cannot be imported: No module named 'shardcheck_absent_module'"):
-            import_model_utils(src, undo)
+        with pytest.raises(BadInput, match=r"cannot be imported \(nemo_rl.distributed.model_utils\): No module named "
+                                           "'shardcheck_absent_module'"):
+            checkout.import_module(MODULE)
     finally:
-        while undo:
-            undo.pop()()
+        checkout.release()
 
 
 def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
@@ -189,7 +190,7 @@ def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
         source(str(tmp_path))
     assert "\n" not in str(info.value)
     monkeypatch.setenv(ENV, str(tmp_path / "x"))
-    with pytest.raises(BadInput, match="is not a NeMo-RL checkout"):
+    with pytest.raises(BadInput, match="NeMo-RL source .* is not a directory"):
         source()
 
 
@@ -199,7 +200,8 @@ def test_cli_without_a_checkout_is_one_line_exit_2(tmp_path, monkeypatch, where)
     path = tmp_path / "x" if where == "missing" else tmp_path
     proc = run_cli("run", "--target", "nemo_rl", "--nemo-rl-src", str(path), cwd=str(tmp_path))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and "is not a NeMo-RL checkout" in proc.stderr
+    want = "is not a directory" if where == "missing" else "is not a NeMo-RL checkout"
+    assert proc.stderr.strip().count("\n") == 0 and want in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -343,13 +345,12 @@ def test_nemo_rls_cp_is_checked_over_the_gathered_sequence(tmp_path):
 def test_importing_the_real_checkout_writes_nothing_into_it():
     src = source(NEMO_RL_SRC)
     before = set(src.rglob("*.pyc"))
-    undo: list = []
+    checkout = Checkout(FRAMEWORK, src)
     try:
-        module, sampling, stubs, _ = import_model_utils(src, undo)
-        assert hasattr(module, "from_parallel_logits_to_logprobs") and stubs == []
+        module = checkout.import_module(MODULE)
+        assert hasattr(module, "from_parallel_logits_to_logprobs") and checkout.stubs == []
     finally:
-        while undo:
-            undo.pop()()
+        checkout.release()
     assert set(src.rglob("*.pyc")) == before
     assert not [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]
 

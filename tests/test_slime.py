@@ -10,7 +10,7 @@ import pytest
 from conftest import export_commit, run_cli, write_scenarios
 from shardcheck.errors import BadInput
 from shardcheck.scenarios import Scenario, get_suite
-from shardcheck.targets.slime import ENV, detect_era, slime_source
+from shardcheck.targets.slime import ENV, detect_era, source
 
 SLIME_SRC = os.environ.get(ENV)
 needs_slime = pytest.mark.skipif(not SLIME_SRC, reason=f"{ENV} is not set: no slime checkout to check "
@@ -58,9 +58,9 @@ def test_era_of_a_new_checkout(tmp_path):
 def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     with pytest.raises(BadInput, match="needs a slime source checkout"):
-        slime_source()
+        source()
     with pytest.raises(BadInput, match="is not a slime checkout"):
-        slime_source(str(tmp_path))
+        source(str(tmp_path))
 
 
 def test_cli_without_a_checkout_is_one_line_exit_2(tmp_path, cli_in_process):

@@ -18,7 +18,7 @@ from shardcheck.scenarios.scenario import Sample, Scenario
 from shardcheck.scenarios.suites import get_suite
 from shardcheck.targets import resolve
 from shardcheck.targets.base import TargetConfig, data_path, knob_skip_reason
-from shardcheck.targets.verl import ENV, compile_call_site, detect_era, import_verl, packing_mismatch, source, target
+from shardcheck.targets.verl import ENV, compile_call_site, detect_era, packing_mismatch, source, target
 
 VERL_SRC = os.environ.get(ENV)
 # In-process specs by module path: pytest run from the checkout imports the distribution metadata
@@ -369,29 +369,25 @@ def test_import_runs_no_package_init_stubs_only_missing_modules_and_is_undone(tm
     (tmp_path / "verl/utils/helpers.py").write_text("one = 1\n")
     modules_before, meta_before = set(sys.modules), list(sys.meta_path)
     had_ray, had_warning_once = "ray" in sys.modules, hasattr(logging.Logger, "warning_once")
-    undo: list = []
+    verl = target(config=TargetConfig(str(src)))
     try:
-        mods, stubs = import_verl(src, ["verl.utils.megatron.tensor_parallel"], undo)
-        tp = mods["verl.utils.megatron.tensor_parallel"]
+        tp = verl.modules()["verl.utils.megatron.tensor_parallel"]
         assert tp.one == 1 and hasattr(tp, "vocab_parallel_entropy")
-        assert stubs == ([] if had_ray else ["ray"])
+        assert verl.stubs == ([] if had_ray else ["ray"])
         assert hasattr(logging.Logger, "warning_once")
     finally:
-        while undo:
-            undo.pop()()
+        verl.release()
     added = set(sys.modules) - modules_before  # torch and megatron modules imported on the way stay
     assert not [m for m in added if m == "verl" or m.startswith("verl.") or m == "ray"], added
     assert sys.meta_path == meta_before and hasattr(logging.Logger, "warning_once") == had_warning_once
     assert not list(tmp_path.rglob("__pycache__")), "bytecode was written into the checkout"
     # a module that is missing and not one verl can do without is the checkout's problem, named
-    bad = _fake_checkout(tmp_path / "bad", tp=TP_OLD + "\nimport not_a_module_anywhere\n")
-    undo = []
+    bad = target(config=TargetConfig(str(_fake_checkout(tmp_path / "bad", tp=TP_OLD + "\nimport not_a_module_anywhere\n"))))
     try:
         with pytest.raises(BadInput, match="cannot be imported .*not_a_module_anywhere"):
-            import_verl(bad, ["verl.utils.megatron.tensor_parallel"], undo)
+            bad.modules()
     finally:
-        while undo:
-            undo.pop()()
+        bad.release()
 
 
 # ----------------------------------------------------------------------------------------------

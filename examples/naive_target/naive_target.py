@@ -31,6 +31,9 @@ class NaiveTarget:
     def describe(self) -> dict:
         return {"name": self.name, "version": "0.1.0"}
 
+    def release(self) -> None:
+        """Nothing to undo: it sets nothing process-wide."""
+
     def compute(self, inputs: RankInputs) -> RankOutputs:
         logits = _GatherVocab.apply(inputs.logits[0], inputs.tp_group).float() / inputs.temperature
         logp_all = torch.log_softmax(logits, dim=-1)

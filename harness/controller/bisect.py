@@ -22,7 +22,8 @@ from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.verdict import Verdict
 from shardcheck.scenarios.scenario import Scenario
 
-from shardcheck.targets.base import COMMIT_ENV, SRC_ENV
+from shardcheck.targets.base import SRC_ENV
+from shardcheck.targets.source import COMMIT_ENV
 
 
 @dataclass

@@ -189,7 +189,7 @@ class RankRunner:
         key = (spec, tuple(sorted(wire.target_settings().items())))
         if self._current not in (None, key):
             previous = self._targets.get(self._current)
-            if previous is not None and hasattr(previous, "release"):
+            if previous is not None:
                 previous.release()
             self._targets.pop(self._current, None)
         self._current = key
@@ -205,8 +205,7 @@ class RankRunner:
         from shardcheck.harness.rank import groups, trace
 
         for t in self._targets.values():
-            if hasattr(t, "release"):
-                t.release()
+            t.release()
         self._targets.clear()
         self._current = None
         trace.reset()
