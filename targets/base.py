@@ -177,7 +177,8 @@ class Definitions:
     the reference's entropy and its entropy term's gradient are then negated.
 
     ``loss_over``: "share" (the default: with CP each rank returns, and takes the loss over, its
-    zigzag share of each response) or "gathered" (each CP rank returns every response token, as
+    zigzag share of each response), "held" (the tokens its own rows score, as the layout put them:
+    the framework's, where it owns it, may pad and split otherwise than the harness) or "gathered" (each CP rank returns every response token, as
     gathered over CP, and takes the loss over the whole gathered sequence divided by the CP size:
     NeMo-RL's convention). The reference's gradient is the same global loss's either way; under
     "gathered" a backward that does not sum the CP ranks' gradients is off by the CP size.
@@ -212,6 +213,11 @@ class Definitions:
             out["loss"] = (f"over the whole gathered sequence on every CP rank, divided by the CP size "
                            f"({self.loss_source}); every CP rank's {gathered} checked for every response token"
                            + (f"; the {own[0][0]} on {where[own[0][1]]}" if own else ""))
+        elif "held" in (self.loss_over, self.entropy_loss_over):
+            held = " and ".join(f for f, over in (("log-probs", self.loss_over), ("entropy", self.entropy_loss_over))
+                                if over == "held")
+            out["loss"] = (f"with CP each rank's {held} on the tokens its own rows score, as the layout put them "
+                           f"({self.loss_source or 'the framework'}), the loss over those")
         return out
 
 

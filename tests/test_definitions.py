@@ -16,6 +16,8 @@ def test_the_default_is_the_references_and_says_nothing():
     described = Definitions(entropy_sign=-1, entropy_source="a plant").describe()
     assert "sum p log p" in described["entropy"] and "a plant" in described["entropy"]
     assert definitions_line({"definitions": described}).startswith("definitions checked (the target's")
+    held = Definitions(loss_over="held", loss_source="a plant").describe()["loss"]
+    assert "on the tokens its own rows score" in held and "a plant" in held
 
 
 @pytest.mark.world
