@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 
 from shardcheck.harness.controller import fuzz, runner
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.world import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.strategies import scenarios
 
@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    with World(4, timeout=60) as world:
+    with SpawnedWorld(4, timeout=60) as world:
         startup = time.perf_counter() - t0
         ran: list[Scenario] = []
         result = fuzz.fuzz("builtin", max_examples=args.examples, seed=12345, world=world, database=None,

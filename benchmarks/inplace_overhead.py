@@ -17,7 +17,7 @@ import statistics
 import time
 
 from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.world import SpawnedWorld
 from shardcheck.harness.wire import Checks
 from shardcheck.scenarios import get_suite
 
@@ -37,7 +37,7 @@ def main() -> None:
     scenarios = sorted(get_suite(args.suite), key=lambda s: (s.tp, s.cp))
     times: dict[str, list[float]] = {m: [] for m in MODES}
     t0 = time.perf_counter()
-    with World(runner.world_size_for(scenarios), timeout=60) as world:
+    with SpawnedWorld(runner.world_size_for(scenarios), timeout=60) as world:
         startup = time.perf_counter() - t0
         for _ in range(args.repeat + 1):  # the first round warms imports, groups and caches
             for mode, checks in MODES.items():

@@ -19,7 +19,7 @@ import time
 
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.world import SpawnedWorld
 from shardcheck.scenarios import get_suite
 from shardcheck.targets.mutants import MUTANTS
 
@@ -30,7 +30,7 @@ def _smoke(lockstep: bool, detail: bool, repeat: int) -> dict[str, float]:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read by the ranks when their groups are made
     try:
         t0 = time.perf_counter()
-        with World(4, timeout=60, lockstep=lockstep) as world:
+        with SpawnedWorld(4, timeout=60, lockstep=lockstep) as world:
             startup = time.perf_counter() - t0
             scenario_times = []
             for _ in range(repeat):
@@ -51,7 +51,7 @@ def _smoke(lockstep: bool, detail: bool, repeat: int) -> dict[str, float]:
 
 def _detection() -> list[tuple[str, str, float, float]]:
     rows = []
-    with World(4, timeout=30) as world:
+    with SpawnedWorld(4, timeout=30) as world:
         for name, cls in MUTANTS.items():
             if cls.expected[0] != "collective_mismatch":
                 continue

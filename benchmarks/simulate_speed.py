@@ -3,7 +3,7 @@
 Prints: the same world-4 layout (tp 2 x cp 2, zigzag) run on a real gloo world and simulated
 (seconds a layout, median of ``--repeat``); simulated layouts a minute at world 8 (tp 2 x cp 4,
 ``--layouts`` distinct layouts, zigzag and all-gather); the time of one world-512 layout (tp 8 x
-cp 64) and of one world-64 layout (3 samples of 129 to 700 tokens, chunk 64). World start-up is not counted anywhere (it is paid once).
+cp 64) and of one world-64 layout (3 samples of 129 to 700 tokens, chunk 64). SpawnedWorld start-up is not counted anywhere (it is paid once).
 Goals (issue 15): >= 1000 layouts a minute at world 8, <= 10 s for one world-512 layout.
 
     python benchmarks/simulate_speed.py [--repeat 5] [--layouts 200]
@@ -18,7 +18,7 @@ import time
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.fake import FakeWorld
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.world import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
 
     four = [_layout(2, 2, seed=i) for i in range(args.repeat)]
-    with World(4) as real:  # started on entering
+    with SpawnedWorld(4) as real:  # started on entering
         real_4 = statistics.median(_time(real, four))
     with FakeWorld([4, 8, 64, 512]) as fake:
         fake.start()

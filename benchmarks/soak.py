@@ -31,7 +31,7 @@ from typing import Any
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import JsonReport, SilentReport
 from shardcheck.harness.controller.verdict import FAIL, PASS, RunInfo, Verdict
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.world import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario
 
 NPROC = 4
@@ -73,7 +73,7 @@ def rss(pid: int) -> int | None:
 class Sampling:
     """The JSON report, and every ``block`` verdicts a sample of memory, store and rate."""
 
-    def __init__(self, report: JsonReport, world: World, block: int) -> None:
+    def __init__(self, report: JsonReport, world: SpawnedWorld, block: int) -> None:
         self.report, self.world, self.block = report, world, block
         self.rows: list[dict[str, Any]] = []
         self.layouts: Counter = Counter()
@@ -121,7 +121,7 @@ class Sampling:
         self.t_block = time.perf_counter()  # the sampling itself is in no block
 
 
-def calibrate(world: World, per_layout: int, seed: int, layouts: list[tuple[int, int]] = LAYOUTS
+def calibrate(world: SpawnedWorld, per_layout: int, seed: int, layouts: list[tuple[int, int]] = LAYOUTS
               ) -> dict[tuple[int, int], float]:
     """Seconds per scenario of each (tp, cp), on this world, without a report (the same
     scenarios for the same seed)."""
@@ -163,7 +163,7 @@ def main() -> None:
 
     layouts = [tuple(int(n) for n in pair.split("x")) for pair in args.tp_cp.split(",")]
     scenarios = generate(args.count, args.seed, layouts=layouts)
-    with tempfile.TemporaryDirectory(prefix="shardcheck-soak-") as tmp, World(NPROC, timeout=60) as world:
+    with tempfile.TemporaryDirectory(prefix="shardcheck-soak-") as tmp, SpawnedWorld(NPROC, timeout=60) as world:
         before = calibrate(world, args.calibrate, args.seed + 1, layouts)
         path = args.report or os.path.join(tmp, "soak.json")
         sampling = Sampling(JsonReport(path, {"suite": "soak"}), world, args.block)

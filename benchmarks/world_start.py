@@ -1,4 +1,4 @@
-"""World start-up and tear-down: ranks forked from the server vs. spawned afresh, in one run.
+"""SpawnedWorld start-up and tear-down: ranks forked from the server vs. spawned afresh, in one run.
 
 Prints, for a world of ``--nproc`` gloo ranks, the wall time of each start (to every rank ready)
 and close, for ranks spawned afresh (each importing torch and megatron-core) and for ranks forked
@@ -13,11 +13,11 @@ import argparse
 import statistics
 import time
 
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.world import SpawnedWorld
 
 
 def _cycle(nproc: int, fork_server: bool) -> tuple[float, float]:
-    world = World(nproc, fork_server=fork_server)
+    world = SpawnedWorld(nproc, fork_server=fork_server)
     t0 = time.perf_counter()
     world.start()
     started = time.perf_counter() - t0

@@ -20,7 +20,7 @@ import bisect
 
 import torch
 
-from shardcheck.harness.layout import Piece, RankLayout, rank_layout
+from shardcheck.scenarios.layout import Piece, RankLayout, rank_layout
 from shardcheck.scenarios.scenario import Scenario
 
 PAD = 0  # what a local row holds when it is padding: every framework checked pads token ids with 0

@@ -1,4 +1,5 @@
-"""The wire: the only module both sides import, and the only things that cross between them.
+"""The wire: the only module both sides import, and the only things that cross between them
+(and the two things both sides do to a rank: its status key in the store, its parent-death guard).
 
 Messages are ``(name, kwargs)`` tuples of plain data. A rank's answer to ``run`` is one
 :class:`RankResult`, built by :meth:`RankResult.error` (for a rank that raised, died or hung,
@@ -27,6 +28,24 @@ from dataclasses import field as _field
 from typing import Any
 
 RUN, STOP = "run", "stop"
+
+
+def status_key(seq: int, rank: int) -> str:
+    """The store key under which a rank's state in scenario ``seq`` is written: by the rank's
+    lockstep, and by the controller for a rank it saw die (its peers stop waiting at once)."""
+    return f"status/{seq}/{rank}"
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process if its parent dies, so no rank (or simulation process)
+    outlives a killed controller."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 SETTINGS_PREFIX = "SHARDCHECK_"
 
 

@@ -4,12 +4,10 @@ frameworks have shipped (and each mutant of ``builtin`` that ``run`` finds)."""
 from __future__ import annotations
 
 from shardcheck.scenarios.scenario import Sample, Scenario
-from shardcheck.scenarios.suites import suite
 
 LONG_PROMPTS = (Sample(61, 3), Sample(40, 2))  # CP rank 0 of all-gather holds no response row
 
 
-@suite
 def regressions() -> list[Scenario]:
     """named scenarios exposing each bug class (empty slices, entropy grads, chunking, collectives)"""
     return [
@@ -48,7 +46,6 @@ def regressions() -> list[Scenario]:
     ]
 
 
-@suite
 def replay() -> list[Scenario]:
     """replayed keep sets (top-p / top-k replay) in every layout, at tp 2 (and one on one device)"""
     return [
@@ -65,7 +62,6 @@ def replay() -> list[Scenario]:
     ]
 
 
-@suite
 def sampling() -> list[Scenario]:
     """log-probs processed by a top-k / top-p filter of the logits (NeMo-RL's sampling definition)"""
     return [

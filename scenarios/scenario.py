@@ -202,6 +202,44 @@ def data_id(scenario: Scenario, index: int) -> int:
     return index if d is None else d
 
 
+# The rules a scenario's settings obey, one function each: validate() raises what they say, and the
+# hypothesis strategies (strategies.py) draw only what they accept and refuse what they refuse.
+
+
+def layout_problem(layout: str, cp: int) -> str | None:
+    """What is wrong with ``layout`` at this cp (CP layouts need cp >= 2, the others cp 1), or None."""
+    if layout in CP_LAYOUTS and cp < 2:
+        return f"layout {layout} needs cp >= 2, got cp={cp}"
+    if layout not in CP_LAYOUTS and cp != 1:
+        return f"layout {layout} has no context parallelism: cp must be 1, got {cp}"
+    return None
+
+
+def layout_fits(layout: str, cp: int) -> bool:
+    """Whether validation accepts ``layout`` at this cp."""
+    return layout_problem(layout, cp) is None
+
+
+def entropy_problem(with_entropy: Any, entropy_coef: Any) -> str | None:
+    """What is wrong with (with_entropy, entropy_coef), or None: a non-zero coefficient needs entropy."""
+    if not isinstance(with_entropy, bool):
+        return f"with_entropy must be true or false, got {with_entropy!r}"
+    if not isinstance(entropy_coef, (int, float)) or isinstance(entropy_coef, bool):
+        return f"entropy_coef must be a number, got {entropy_coef!r}"
+    if not math.isfinite(entropy_coef):
+        return f"entropy_coef must be finite, got {entropy_coef!r}"
+    if entropy_coef != 0 and not with_entropy:
+        return f"entropy_coef {entropy_coef} needs with_entropy=true"
+    return None
+
+
+def chunk_size_problem(chunk_size: Any) -> str | None:
+    """What is wrong with a ``log_probs_chunk_size``, or None: -1 (no chunking) or >= 1."""
+    if not _is_int(chunk_size) or chunk_size == 0 or chunk_size < -1:
+        return f"log_probs_chunk_size must be -1 (no chunking) or >= 1, got {chunk_size!r}"
+    return None
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -273,20 +311,10 @@ def validate(s: Scenario) -> None:
         raise bad(f"vocab {s.vocab} is not divisible by tp {s.tp}")
     if s.layout not in LAYOUTS:
         raise bad(f"layout {s.layout!r} is not one of {', '.join(LAYOUTS)}")
-    if s.layout in CP_LAYOUTS and s.cp < 2:
-        raise bad(f"layout {s.layout} needs cp >= 2, got cp={s.cp}")
-    if s.layout not in CP_LAYOUTS and s.cp != 1:
-        raise bad(f"layout {s.layout} has no context parallelism: cp must be 1, got {s.cp}")
-    if not isinstance(s.with_entropy, bool):
-        raise bad(f"with_entropy must be true or false, got {s.with_entropy!r}")
-    if not isinstance(s.entropy_coef, (int, float)) or isinstance(s.entropy_coef, bool):
-        raise bad(f"entropy_coef must be a number, got {s.entropy_coef!r}")
-    if not math.isfinite(s.entropy_coef):
-        raise bad(f"entropy_coef must be finite, got {s.entropy_coef!r}")
-    if s.entropy_coef != 0 and not s.with_entropy:
-        raise bad(f"entropy_coef {s.entropy_coef} needs with_entropy=true")
-    if s.log_probs_chunk_size == 0 or s.log_probs_chunk_size < -1:
-        raise bad(f"log_probs_chunk_size must be -1 (no chunking) or >= 1, got {s.log_probs_chunk_size}")
+    for problem in (layout_problem(s.layout, s.cp), entropy_problem(s.with_entropy, s.entropy_coef),
+                    chunk_size_problem(s.log_probs_chunk_size)):
+        if problem:
+            raise bad(problem)
     if not isinstance(s.temperature, (int, float)) or isinstance(s.temperature, bool):
         raise bad(f"temperature must be a number, got {s.temperature!r}")
     if not (math.isfinite(s.temperature) and s.temperature > 0):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 from shardcheck.scenarios.scenario import Sample, Scenario
-from shardcheck.scenarios.suites import suite
 
 TP_CP = {
     "thd": [(1, 1), (2, 1), (4, 1)],
@@ -75,7 +74,6 @@ def _extras() -> list[Scenario]:
     ]
 
 
-@suite
 def logprob() -> list[Scenario]:
     """the smoke grid without entropy (for log-prob-only targets such as megatron)"""
     return [
@@ -84,13 +82,11 @@ def logprob() -> list[Scenario]:
     ]
 
 
-@suite
 def smoke() -> list[Scenario]:
     """every layout at every (tp, cp) it allows on 4 ranks, with the edge shapes"""
     return _grid() + _extras()
 
 
-@suite
 def large() -> list[Scenario]:
     """tp * cp = 8 (8x1, 1x8, 2x4, 4x2) on an 8-rank world, long prompts leaving CP ranks empty"""
     # and the same samples on one device (8 replicas): what a target without parallel code runs

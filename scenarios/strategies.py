@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from shardcheck.errors import BadInput
-from shardcheck.scenarios.scenario import CP_LAYOUTS, DTYPES, LAYOUTS, Sample, Scenario
+from shardcheck.scenarios.scenario import (DTYPES, LAYOUTS, Sample, Scenario, chunk_size_problem,
+                                           entropy_problem, layout_fits)
 
 T = TypeVar("T")
 
@@ -82,11 +83,6 @@ def _as_values(value: _Choice, default: Sequence[T]) -> tuple[T, ...] | None:
     return tuple(value)
 
 
-def layout_fits(layout: str, cp: int) -> bool:
-    """Whether validation accepts ``layout`` at this cp (CP layouts need cp >= 2, others cp 1)."""
-    return (layout in CP_LAYOUTS) == (cp >= 2)
-
-
 def layouts(cp: int | None = None, allowed: Collection[str] | None = None) -> SearchStrategy[str]:
     """A layout valid at ``cp`` (any layout when cp is None), among ``allowed``."""
     names = [name for name in LAYOUTS if allowed is None or name in allowed]
@@ -115,8 +111,8 @@ def temperatures(values: Sequence[float] = TEMPERATURES) -> SearchStrategy[float
 def entropy_settings(values: Sequence[tuple[bool, float]] = ENTROPY) -> SearchStrategy[tuple[bool, float]]:
     """(with_entropy, entropy_coef) pairs that validate: a non-zero coefficient needs entropy."""
     for with_entropy, coef in values:
-        if coef != 0 and not with_entropy:
-            raise BadInput(f"entropy_coef {coef} needs with_entropy=true")
+        if problem := entropy_problem(with_entropy, coef):
+            raise BadInput(problem)
     return st.sampled_from(tuple(values))
 
 
@@ -161,7 +157,7 @@ def boundary_positions(totals: Sequence[int], *, tp: int = 1, cp: int = 1, layou
     A response starting at one of these is split exactly at a rank or chunk edge. Derived from
     the harness's layout arithmetic, which depends on the totals only.
     """
-    from shardcheck.harness.layout import rank_layout
+    from shardcheck.scenarios.layout import rank_layout
 
     sketch = Scenario("sketch", tuple(Sample(t, 1) for t in totals), vocab=tp, tp=tp, cp=cp, layout=layout,
                       log_probs_chunk_size=chunk_size)
@@ -197,7 +193,7 @@ def _response(total: int, placement: str, pick: int, offset: int, edges: Sequenc
 
 def _local_rows(totals: Sequence[int], tp: int, cp: int, layout: str) -> int:
     """The most rows any rank holds (the rows its chunks split)."""
-    from shardcheck.harness.layout import rank_layout
+    from shardcheck.scenarios.layout import rank_layout
 
     sketch = Scenario("sketch", tuple(Sample(t, 1) for t in totals), vocab=tp, tp=tp, cp=cp, layout=layout)
     return max(rank_layout(sketch, 0, r).num_rows for r in range(cp))
@@ -239,8 +235,8 @@ def samples(*, tp: int = 1, cp: int = 1, layout: str = "thd", chunk_size: int = 
         raise BadInput(f"max_total must be >= 2 (a prompt and a response token), got {max_total}")
     if not (_is_int(tp) and tp >= 1 and _is_int(cp) and cp >= 1) or not layout_fits(layout, cp):
         raise BadInput(f"samples: layout {layout!r} with tp={tp} cp={cp} is not a valid combination")
-    if not _is_int(chunk_size) or chunk_size == 0 or chunk_size < -1:
-        raise BadInput(f"chunk sizes must be -1 (no chunking) or >= 1, got {chunk_size!r}")
+    if problem := chunk_size_problem(chunk_size):
+        raise BadInput(problem)
     return _batch(tp=tp, cp=cp, layout=layout, chunk_size=st.just(chunk_size), min_size=min_size,
                   max_size=max_size, max_total=max_total, coarsen=False).map(lambda pair: pair[0])
 
@@ -349,8 +345,8 @@ def _check(values: dict[str, tuple | None], ranks: int | None, min_samples: int,
             if not _is_int(v) or v < 1:
                 raise BadInput(f"{key} values must be integers >= 1, got {v!r}")
     for v in values["chunk_size"] or ():
-        if not _is_int(v) or v == 0 or v < -1:
-            raise BadInput(f"chunk sizes must be -1 (no chunking) or >= 1, got {v!r}")
+        if problem := chunk_size_problem(v):
+            raise BadInput(problem)
     for name in names or ():
         if name not in LAYOUTS:
             raise BadInput(f"layout {name!r} is not one of {', '.join(LAYOUTS)}")
@@ -364,10 +360,9 @@ def _check(values: dict[str, tuple | None], ranks: int | None, min_samples: int,
     for d in values["dtype"] or ():
         if d not in DTYPES:
             raise BadInput(f"dtype {d!r} is not one of {', '.join(DTYPES)}")
-    for pair in values["entropy"] or ():
-        with_entropy, coef = pair
-        if coef != 0 and not with_entropy:
-            raise BadInput(f"entropy_coef {coef} needs with_entropy=true")
+    for with_entropy, coef in values["entropy"] or ():
+        if problem := entropy_problem(with_entropy, coef):
+            raise BadInput(problem)
     if ranks is not None and (not _is_int(ranks) or ranks < 1):
         raise BadInput(f"ranks must be an integer >= 1, got {ranks!r}")
     if not 1 <= min_samples <= max_samples:

@@ -7,14 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardcheck.errors import BadInput
+from shardcheck.scenarios import regressions, smoke
 from shardcheck.scenarios.scenario import Scenario
 
-SUITES: dict[str, Callable[[], list[Scenario]]] = {}
-
-
-def suite(fn: Callable[[], list[Scenario]]) -> Callable[[], list[Scenario]]:
-    SUITES[fn.__name__] = fn
-    return fn
+# Every named suite, by name: a new suite is a function in smoke.py or regressions.py, listed here.
+SUITES: dict[str, Callable[[], list[Scenario]]] = {
+    fn.__name__: fn for fn in (smoke.smoke, smoke.logprob, smoke.large, regressions.regressions, regressions.replay,
+                               regressions.sampling)
+}
 
 
 def get_suite(name: str) -> list[Scenario]:
@@ -56,7 +56,3 @@ def write_scenario_file(path: str | Path, scenario: Scenario) -> None:
     well and diffs well."""
     fields = sorted(scenario.to_dict().items())
     Path(path).write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in fields) + "\n}\n")
-
-
-from shardcheck.scenarios import regressions as _regressions  # noqa: E402,F401  (registers the suites)
-from shardcheck.scenarios import smoke as _smoke  # noqa: E402,F401

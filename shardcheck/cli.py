@@ -8,7 +8,6 @@ skipped; ``--allow-all-skipped`` makes that 0), 130 interrupted (Ctrl-C), 143 te
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import signal
@@ -316,7 +315,7 @@ def _check_world_options(args: argparse.Namespace, scenarios: list | None = None
         if axes is None:
             limits.check_run(scenarios, args.nproc, allow_large_world=args.allow_large_world)
         else:
-            limits.check_invariance(scenarios, axes, args.nproc, allow_large_world=args.allow_large_world)
+            limits.check_invariance_world(scenarios, axes, args.nproc, allow_large_world=args.allow_large_world)
         return
     if args.nproc is not None and args.nproc < 1:
         raise BadInput(f"--nproc must be >= 1, got {args.nproc}")
@@ -358,13 +357,16 @@ def _run(args: argparse.Namespace) -> int:
     _check_world_options(args, scenarios)
     if args.coverage:
         _check_coverage(args.target)
-    from shardcheck.harness.controller.joined import JoinedWorld, launched_by_torchrun
+    from shardcheck.harness.controller.joined import launched_by_torchrun
     from shardcheck.harness.controller.report import SilentReport
+    from shardcheck.harness.controller.worlds import world_for
 
-    world = None
+    world, rank = None, 0
     if launched_by_torchrun():  # every rank runs this command: they join the launcher's world
-        world = JoinedWorld(timeout=args.timeout, lockstep=not args.no_lockstep, backend=args.backend)
-        if int(os.environ["RANK"]) != 0:  # one report: rank 0's (every rank reaches the same verdicts)
+        world = world_for(0, join=True, timeout=args.timeout, lockstep=not args.no_lockstep,
+                          backend=args.backend).world
+        rank = int(os.environ["RANK"])
+        if rank != 0:  # one report: rank 0's (every rank reaches the same verdicts)
             args.json_report = None
     if args.html_report:
         from shardcheck.harness.controller.html_report import check_writable
@@ -372,7 +374,7 @@ def _run(args: argparse.Namespace) -> int:
         check_writable(args.html_report)  # before any world starts
     json_report = _json_report(args, JsonReport)
     html_report, scratch = None, None
-    if args.html_report and (world is None or world.rank == 0):
+    if args.html_report and rank == 0:
         from shardcheck.harness.controller.html_report import HtmlReport
 
         if json_report is None:  # the page is built from the JSON report's data: keep one aside
@@ -381,7 +383,7 @@ def _run(args: argparse.Namespace) -> int:
             scratch = tempfile.TemporaryDirectory(prefix="shardcheck-report-")
             json_report = JsonReport(os.path.join(scratch.name, "report.json"), {"suite": args.suite or "smoke"})
         html_report = HtmlReport(args.html_report, json_report)
-    terminal = SilentReport() if world is not None and world.rank != 0 else TerminalReport(quiet=args.quiet)
+    terminal = SilentReport() if rank != 0 else TerminalReport(quiet=args.quiet)
     try:
         result = runner.run(scenarios, args.target, reporter=Reporters(terminal, json_report, html_report),
                             nproc=args.nproc,

@@ -142,19 +142,13 @@ class ShardcheckSession:
 def shardcheck_world(request: pytest.FixtureRequest) -> Any:
     """One world for the whole session: started here, or joined under torchrun."""
     from shardcheck.errors import ShardcheckError
-    from shardcheck.harness.controller.joined import JoinedWorld, launched_by_torchrun
+    from shardcheck.harness.controller.joined import launched_by_torchrun
+    from shardcheck.harness.controller.worlds import world_for
 
     opt = request.config.getoption
     try:
-        if launched_by_torchrun():
-            world: Any = JoinedWorld(timeout=opt("--shardcheck-timeout"), backend=opt("--shardcheck-backend"))
-        else:
-            from shardcheck.harness.backend import choose_backend
-            from shardcheck.harness.controller.world import World
-
-            nproc = opt("--shardcheck-nproc") or DEFAULT_NPROC
-            backend, _ = choose_backend(opt("--shardcheck-backend"), nproc)
-            world = World(nproc, timeout=opt("--shardcheck-timeout"), backend=backend)
+        world = world_for(opt("--shardcheck-nproc") or DEFAULT_NPROC, join=launched_by_torchrun(),
+                          backend=opt("--shardcheck-backend"), timeout=opt("--shardcheck-timeout")).world
         world.start()
     except ShardcheckError as exc:
         pytest.exit(f"shardcheck: {exc}", returncode=2)

@@ -18,9 +18,12 @@ from __future__ import annotations
 import importlib
 import inspect
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardcheck.errors import BadInput
+
+if TYPE_CHECKING:  # base imports torch: at run time only where it is needed (see __getattr__)
+    from shardcheck.targets.base import Target, TargetConfig
 
 GROUP = "shardcheck.targets"
 

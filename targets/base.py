@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from shardcheck.scenarios.layout import local_held_rows, local_row_targets, local_share_rows
 from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
 
 
@@ -366,7 +367,7 @@ class RankInputs:
     tp_size: int
     cp_rank: int
     cp_size: int
-    # The harness's own layout for this rank (shardcheck.harness.layout.RankLayout). Adapters of
+    # The harness's own layout for this rank (shardcheck.scenarios.layout.RankLayout). Adapters of
     # code that does only part of the job may use it; an implementation under test must not.
     rank_layout: Any = None
     policy: PolicyBatch | None = None
@@ -385,27 +386,21 @@ class RankInputs:
         """The next token each local logit row predicts, rows flattened (``logits.view(-1, V/tp)``;
         bshd: batch row after batch row); 0 where a row predicts none (a sample's last row,
         padding). On the logits' device."""
-        from shardcheck.harness.rank import shard
-
-        return shard.local_row_targets(self.rank_layout, self.tokens).to(self.logits.device)
+        return local_row_targets(self.rank_layout, self.tokens).to(self.logits.device)
 
     def scored_rows(self) -> list[torch.Tensor] | None:
         """Per sample, the flattened local rows that score this rank's share of the response, in
         the order the outputs take; None when some of the share is scored on another rank
         (all-gather CP: see :meth:`held_rows`)."""
-        from shardcheck.harness.rank import shard
-
-        rows = shard.local_share_rows(self.rank_layout)
+        rows = local_share_rows(self.rank_layout)
         return None if rows is None else [r.to(self.logits.device) for r in rows]
 
     def held_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per sample, the response tokens this rank's own rows score: (flattened local rows,
         response token indices), in position order. With all-gather CP these are the rank's
         contiguous slice, which the target must redistribute to the share it returns."""
-        from shardcheck.harness.rank import shard
-
         device = self.logits.device
-        return [(rows.to(device), tokens.to(device)) for rows, tokens in shard.local_held_rows(self.rank_layout)]
+        return [(rows.to(device), tokens.to(device)) for rows, tokens in local_held_rows(self.rank_layout)]
 
     @property
     def allgather_cp(self) -> bool:

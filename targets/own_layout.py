@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from shardcheck.harness.layout import RankLayout, rank_layout
+from shardcheck.scenarios.layout import RankLayout, rank_layout
 from shardcheck.harness.traced_layout import harness_local_tokens
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout
 
 
 class OwnDataPath:
-    """The harness's layout (harness/layout.py) as a data path, ranks from megatron's mpu."""
+    """The harness's layout (scenarios/layout.py) as a data path, ranks from megatron's mpu."""
 
-    name = "shardcheck/harness/layout.py:rank_layout"
+    name = "shardcheck/scenarios/layout.py:rank_layout"
 
     def knobs(self) -> dict[str, Knob]:
         return {}

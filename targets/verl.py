@@ -67,7 +67,6 @@ import logging
 import builtins
 import functools
 import symtable
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path

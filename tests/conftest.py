@@ -94,12 +94,12 @@ def cli_in_process(capsys, monkeypatch) -> Iterator[Callable[..., MainResult]]:
     """``shardcheck ARGS`` as ``main([...])`` in this process, for input refused before any world
     starts: no interpreter and torch import per case, and a world starting fails the test."""
     from shardcheck.cli import main
-    from shardcheck.harness.controller.world import World
+    from shardcheck.harness.controller.world import SpawnedWorld
 
     def no_world(self: Any) -> None:
         pytest.fail("a world started: this input must be refused before any world starts", pytrace=False)
 
-    monkeypatch.setattr(World, "start", no_world)
+    monkeypatch.setattr(SpawnedWorld, "start", no_world)
 
     def call(*args: str) -> MainResult:
         capsys.readouterr()  # only what main prints
@@ -145,16 +145,16 @@ def run_on_world(world: Any, scenarios: Sequence[Any], target: str, report: Path
 def world():
     """One 4-rank gloo world for every test that does not need a world of its own (a few seconds
     the first time in a process; it restarts itself when a scenario leaves it unusable)."""
-    from shardcheck.harness.controller.world import World
+    from shardcheck.harness.controller.world import SpawnedWorld
 
-    with World(4, timeout=20) as w:
+    with SpawnedWorld(4, timeout=20) as w:
         yield w
 
 
 @pytest.fixture(scope="session")
 def world2():
     """One 2-rank gloo world for the tests that need a world smaller than their scenarios."""
-    from shardcheck.harness.controller.world import World
+    from shardcheck.harness.controller.world import SpawnedWorld
 
-    with World(2, timeout=30) as w:
+    with SpawnedWorld(2, timeout=30) as w:
         yield w

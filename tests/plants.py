@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from shardcheck.harness.layout import rank_layout
+from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios import Scenario
 from shardcheck.targets import RankInputs, RankOutputs
 from shardcheck.targets.builtin import BuiltinTarget

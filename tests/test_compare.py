@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shardcheck.harness.rank.compare import TOLERANCES, compare_grad, compare_outputs, mismatch_mask
-from shardcheck.harness.layout import rank_layout
+from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.data import ScenarioData
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import TESTS, alive, descendants
 from shardcheck.harness.controller import memory, runner
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.world import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario, get_suite
 
 pytestmark = pytest.mark.world
@@ -61,7 +61,7 @@ def runner_table(result) -> str:
 def test_a_rank_killed_mid_scenario_is_named_with_the_memory_it_held(monkeypatch):
     kills = iter(range(100))
     monkeypatch.setattr(memory, "oom_kills", lambda: next(kills))  # the OOM killer ran meanwhile
-    with World(2, timeout=20) as world:
+    with SpawnedWorld(2, timeout=20) as world:
         def kill_rank_one() -> None:
             time.sleep(1.5)
             os.kill(world._procs[1].pid, signal.SIGKILL)
@@ -77,7 +77,7 @@ def test_a_rank_killed_mid_scenario_is_named_with_the_memory_it_held(monkeypatch
 
 # -- blame -----------------------------------------------------------------------------------------
 def test_a_hang_names_the_rank_that_did_not_arrive_and_where_it_was(monkeypatch):
-    with World(2, timeout=2) as world:
+    with SpawnedWorld(2, timeout=2) as world:
         result, hung = _one(world, "plants:SpinsOnRankOne")
         head = hung.failures[0]
         assert head.ranks == [1] and head.message.startswith("rank 1 hung: it did not arrive where ranks [0]"), \
@@ -86,14 +86,14 @@ def test_a_hang_names_the_rank_that_did_not_arrive_and_where_it_was(monkeypatch)
         assert all("rank 0 hung" not in f.message for f in hung.failures)
         assert hung.seconds < 2 + 2  # ended when its peer gave up, not at the controller's deadline
         # the restart (made to take 3 s more) is reported on its own, not charged to the next scenario
-        real_start = World.start
-        monkeypatch.setattr(World, "start", lambda self: (time.sleep(3.0), real_start(self))[1])
+        real_start = SpawnedWorld.start
+        monkeypatch.setattr(SpawnedWorld, "start", lambda self: (time.sleep(3.0), real_start(self))[1])
         again, after = _one(world, "builtin", SMALL)
         assert len(again.info.startup_seconds) == 2 and after.status == "pass" and after.seconds < 3.0
 
 
 def test_a_peer_still_working_when_a_rank_dies_is_given_its_time_not_called_hung():
-    with World(2, timeout=20) as world:
+    with SpawnedWorld(2, timeout=20) as world:
         _, v = _one(world, "plants:RankOneDiesWhileRankZeroWorks")
     text = " | ".join(f.message for f in v.failures)
     assert v.failures[0].message.startswith("rank 1 died (exit code 3)"), text
@@ -101,7 +101,7 @@ def test_a_peer_still_working_when_a_rank_dies_is_given_its_time_not_called_hung
 
 
 def test_a_peer_that_never_answers_after_a_death_is_stopped_not_hung():
-    with World(2, timeout=2) as world:
+    with SpawnedWorld(2, timeout=2) as world:
         _, v = _one(world, "plants:RankOneDiesRankZeroSpins")
     text = " | ".join(f.message for f in v.failures)
     assert "rank 1 died (exit code 3)" in text and "rank 0 stopped after rank 1 died: no result within 4s" in text

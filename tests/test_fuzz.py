@@ -106,7 +106,7 @@ def test_shrinking_heads_for_fewest_samples_shortest_lengths_smallest_vocab():
 @pytest.mark.parametrize("kwargs,fragment", [
     ({"cp": 1, "layout": "zigzag"}, "no tp in [1, 2] and cp in [1]"),
     ({"tp": 2, "vocab": [3]}, "no vocab in [3] is divisible"),
-    ({"chunk_size": 0}, "chunk sizes must be -1"),
+    ({"chunk_size": 0}, "log_probs_chunk_size must be -1"),
     ({"entropy": [(False, 0.1)]}, "needs with_entropy=true"),
     ({"tp": 4, "cp": 2, "ranks": 4}, "in a world of 4 ranks"),
 ])

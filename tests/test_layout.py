@@ -1,11 +1,11 @@
 """Layouts are pure arithmetic: checked here without processes, against the definitions in
-shardcheck.harness.layout's docstring (zigzag chunks, all-gather pieces, TP columns)."""
+shardcheck.scenarios.layout's docstring (zigzag chunks, all-gather pieces, TP columns)."""
 
 from collections import Counter
 
 import pytest
 
-from shardcheck.harness.layout import allgather_local_rows, rank_layout, zigzag_positions, zigzag_share
+from shardcheck.scenarios.layout import allgather_local_rows, rank_layout, zigzag_positions, zigzag_share
 from shardcheck.scenarios import Sample, Scenario, get_suite
 
 SMOKE = get_suite("smoke")

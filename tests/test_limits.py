@@ -1,4 +1,4 @@
-"""What a world may ask of the machine (harness/controller/limits.py): ranks against cores and
+"""What a world may ask of the machine (harness/controller/limits.py, machine.py, scenario_memory.py): ranks against cores and
 memory, a scenario's memory estimate against what is available, the timeout against what torch
 and the OS accept. Each refusal is one line, exit status 2, before any world starts
 (``cli_in_process`` fails the test if one starts)."""
@@ -13,8 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller import limits
-from shardcheck.harness.controller.limits import GiB, MiB, Machine, scenario_bytes
+from shardcheck.harness.controller import limits, scenario_memory
+from shardcheck.harness.controller import machine as host
+from shardcheck.harness.controller.machine import GiB, MiB, Machine
+from shardcheck.harness.controller.scenario_memory import scenario_bytes
 from shardcheck.scenarios import Scenario, get_suite
 from shardcheck.scenarios.suites import SUITES
 
@@ -39,8 +41,8 @@ def _file(tmp_path, *scenarios: dict) -> str:
 @pytest.fixture
 def machine(monkeypatch):
     """This machine, as the CLI sees it, made 2 cores and 8 GiB available."""
-    monkeypatch.setattr(limits, "usable_cores", lambda: 2)
-    monkeypatch.setattr(limits, "available_memory", lambda: 8 * GiB)
+    monkeypatch.setattr(host, "usable_cores", lambda: 2)
+    monkeypatch.setattr(host, "available_memory", lambda: 8 * GiB)
     return Machine(2, 8 * GiB)
 
 
@@ -67,7 +69,7 @@ TWO_GIB = {"name": "two-gib", "samples": [[10, 5]], "vocab": 2 * 10**6}  # about
 
 # -- ranks -------------------------------------------------------------------------------------------
 def test_max_ranks_is_the_lesser_of_cores_and_memory():
-    assert Machine(2, 24 * GiB).max_ranks == 2 * limits.RANKS_PER_CORE == 16
+    assert Machine(2, 24 * GiB).max_ranks == 2 * host.RANKS_PER_CORE == 16
     # 8 GiB less the controller's 512 MiB, at 128 MiB a rank
     assert Machine(64, 8 * GiB).max_ranks == (8 * GiB - 512 * MiB) // (128 * MiB) == 60
     assert Machine(4, None).max_ranks == 32  # memory unknown: the cores only
@@ -131,7 +133,7 @@ def _available(tmp_path, proc_cgroup: str, files: dict[str, str], mem_available_
     root = _tree(tmp_path / "cg", files)
     (tmp_path / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {mem_available_kb} kB\n")
     (tmp_path / "cgroup").write_text(proc_cgroup)
-    return limits.available_memory(str(tmp_path / "meminfo"), str(tmp_path / "cgroup"), str(root))
+    return host.available_memory(str(tmp_path / "meminfo"), str(tmp_path / "cgroup"), str(root))
 
 
 def test_memory_is_memavailable_without_a_cgroup_limit(tmp_path):
@@ -161,16 +163,16 @@ def test_cgroup_v1_limit_and_its_no_limit(tmp_path):
 
 
 def test_nothing_readable_means_memory_unknown(tmp_path):
-    assert limits.available_memory(str(tmp_path / "no"), str(tmp_path / "no"), str(tmp_path / "no")) is None
+    assert host.available_memory(str(tmp_path / "no"), str(tmp_path / "no"), str(tmp_path / "no")) is None
 
 
 def test_a_cpu_quota_lowers_the_cores(tmp_path):
     (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a core: one
-    assert limits.usable_cores(str(tmp_path)) == 1
+    assert host.usable_cores(str(tmp_path)) == 1
     (tmp_path / "cpu.max").write_text("150000 100000\n")  # one and a half: two, if the affinity has them
-    assert limits.usable_cores(str(tmp_path)) == min(2, limits.usable_cores(str(tmp_path / "none")))
+    assert host.usable_cores(str(tmp_path)) == min(2, host.usable_cores(str(tmp_path / "none")))
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert limits.usable_cores(str(tmp_path)) == limits.usable_cores(str(tmp_path / "none"))
+    assert host.usable_cores(str(tmp_path)) == host.usable_cores(str(tmp_path / "none"))
 
 
 # -- a scenario's memory -----------------------------------------------------------------------------
@@ -178,9 +180,9 @@ def test_the_mirrored_figures_match_the_data_path():
     from shardcheck.reference import DEFAULT_CHUNK_ROWS
     from shardcheck.scenarios import DTYPES, data
 
-    assert limits.BLOCK_ROWS == data.BLOCK_ROWS
-    assert limits.CHUNK_ROWS == DEFAULT_CHUNK_ROWS
-    assert limits.DTYPE_BYTES == {n: data.torch_dtype(n).itemsize for n in DTYPES}
+    assert scenario_memory.BLOCK_ROWS == data.BLOCK_ROWS
+    assert scenario_memory.CHUNK_ROWS == DEFAULT_CHUNK_ROWS
+    assert scenario_memory.DTYPE_BYTES == {n: data.torch_dtype(n).itemsize for n in DTYPES}
 
 
 def _all_suite_scenarios():
@@ -189,16 +191,16 @@ def _all_suite_scenarios():
 
 def test_pieces_are_the_layouts():
     """The estimate's rows are the rows a rank really holds and scores."""
-    from shardcheck.harness.layout import rank_layout
+    from shardcheck.scenarios.layout import rank_layout
     from shardcheck.harness.rank import shard
 
     odd = Scenario("odd", ((37, 20), (5, 2), (130, 65)), vocab=8, cp=3, layout="zigzag")
     for sc in [*_all_suite_scenarios(), odd, Scenario("odd-ag", odd.samples, vocab=8, cp=3, tp=2, layout="allgather")]:
         for r in range(sc.cp):
             layout = rank_layout(sc, 0, r)
-            assert limits.local_pieces(sc, r) == [(p.stream, p.start, p.stop) for p in layout.pieces], sc.name
+            assert scenario_memory.local_pieces(sc, r) == [(p.stream, p.start, p.stop) for p in layout.pieces], sc.name
             share = shard.share_pieces(layout)
-            assert limits.share_pieces(sc, r) == [(p.stream, p.start, p.stop) for p in share], sc.name
+            assert scenario_memory.share_pieces(sc, r) == [(p.stream, p.start, p.stop) for p in share], sc.name
 
 
 def test_suite_scenarios_are_small():
@@ -212,9 +214,9 @@ def test_suite_scenarios_are_small():
 ], ids=["one-long", "many-short"])
 def test_many_reference_chunks_are_bounded_not_walked(monkeypatch, pieces):
     """Past MAX_CHUNKS_WALKED reference chunks the worst chunk is bounded, at no less."""
-    bounded = limits.reference_bytes(pieces, 1000, 4)
-    monkeypatch.setattr(limits, "MAX_CHUNKS_WALKED", 10**9)
-    walked = limits.reference_bytes(pieces, 1000, 4)
+    bounded = scenario_memory.reference_bytes(pieces, 1000, 4)
+    monkeypatch.setattr(scenario_memory, "MAX_CHUNKS_WALKED", 10**9)
+    walked = scenario_memory.reference_bytes(pieces, 1000, 4)
     assert walked <= bounded < 1.5 * walked, (bounded, walked)
 
 
@@ -299,8 +301,8 @@ def test_invariance_counts_its_variants_and_what_the_controller_keeps(cli_in_pro
     assert "for 4 ranks" in line  # invariance's world: at least 4
     from shardcheck.harness.controller.invariance import AXES
 
-    limits.check_invariance(get_suite("smoke"), list(AXES), None, machine=machine)
-    limits.check_invariance([Scenario.from_dict(BIG_VOCAB)], list(AXES), None, machine=machine,
+    limits.check_invariance_world(get_suite("smoke"), list(AXES), None, machine=machine)
+    limits.check_invariance_world([Scenario.from_dict(BIG_VOCAB)], list(AXES), None, machine=machine,
                             allow_large_world=True)
 
 
@@ -359,9 +361,9 @@ def test_the_largest_timeout_is_taken(cli_in_process, runs):
 @pytest.mark.world
 def test_a_world_runs_at_the_largest_timeout():
     """End to end at the bound: the store, gloo, megatron's groups and the controller's waits."""
-    from shardcheck.harness.controller.world import World
+    from shardcheck.harness.controller.world import SpawnedWorld
 
     [sc] = [s for s in get_suite("smoke") if s.name == "thd-tp1cp1-basic"]
-    with World(1, timeout=limits.MAX_TIMEOUT_S) as w:
+    with SpawnedWorld(1, timeout=limits.MAX_TIMEOUT_S) as w:
         [result] = w.run(sc.to_dict(), "builtin")
     assert result.failures == [], [f.message for f in result.failures]

@@ -7,7 +7,7 @@ import torch
 from shardcheck.harness.controller import runner
 from shardcheck.harness.rank import shard
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.layout import rank_layout
+from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios.data import ScenarioData
 

@@ -64,7 +64,7 @@ def test_the_helpers_give_each_rank_its_labels_and_rows():
     """held_rows, scored_rows and row_labels against the layout, all-gather CP included."""
     import torch
 
-    from shardcheck.harness.layout import rank_layout
+    from shardcheck.scenarios.layout import rank_layout
     from shardcheck.scenarios import Sample, Scenario
     from shardcheck.targets import RankInputs
 

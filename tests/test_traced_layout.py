@@ -10,7 +10,7 @@ import torch
 
 from conftest import run_cli, run_on_world, write_scenarios
 from shardcheck.harness.controller.layout_check import coverage_failures
-from shardcheck.harness.layout import rank_layout
+from shardcheck.scenarios.layout import rank_layout
 from shardcheck.harness.rank.data_path import layout_payload
 from shardcheck.harness.traced_layout import NotAPosition, decode, encoded_tokens, harness_local_tokens, row_map
 from shardcheck.scenarios import Sample, Scenario, get_suite
@@ -126,7 +126,7 @@ def test_builtin_traced_passes_and_reports_the_rows_it_built(tmp_path, world):
     run = run_on_world(world, _one_of_each(), "builtin:traced", tmp_path / "r.json", "smoke")
     assert run.exit_code == 0, run.stdout
     for v in run.report["scenarios"]:
-        assert v["layout_built_by"] == "shardcheck/harness/layout.py:rank_layout"
+        assert v["layout_built_by"] == "shardcheck/scenarios/layout.py:rank_layout"
         sc = Scenario.from_dict(v["scenario"])
         assert len(v["layouts"]) == 4
         for rank, lay in v["layouts"].items():

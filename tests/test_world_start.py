@@ -8,7 +8,7 @@ import pytest
 from conftest import parent_pid
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import World, _rank_environment, _start_context
+from shardcheck.harness.controller.world import SpawnedWorld, _rank_environment, _start_context
 from shardcheck.scenarios import Sample, Scenario
 
 pytestmark = pytest.mark.world
@@ -17,20 +17,20 @@ TP2 = Scenario("tp2", (Sample(7, 3),), vocab=8, tp=2, seed=3)
 ONE = Scenario("one", (Sample(7, 3),), vocab=8, seed=3)
 
 
-def _probe(world: World) -> list[str]:
+def _probe(world: SpawnedWorld) -> list[str]:
     result = runner.run([TP2 if world.nproc == 2 else ONE], "plants:PrintsAnEnvironmentVariable",
                         reporter=SilentReport(), world=world)
     assert result.exit_code == 0, [v.headline() for v in result.verdicts]
     return [o for o, _ in world.rank_output() if o.startswith("probe:")]
 
 
-def _parents(world: World) -> set[int]:
+def _parents(world: SpawnedWorld) -> set[int]:
     return {parent_pid(p.pid) for p in world._procs}
 
 
 def test_a_forked_rank_sees_the_environment_of_each_start_not_the_servers(monkeypatch):
     monkeypatch.setenv("SHARDCHECK_TEST_PROBE", "first")
-    with World(2, timeout=30) as world:
+    with SpawnedWorld(2, timeout=30) as world:
         assert os.getpid() not in _parents(world)  # forked from the server, not spawned by us
         assert _probe(world) == ["probe: first"]
         monkeypatch.setenv("SHARDCHECK_TEST_PROBE", "second")
@@ -48,6 +48,6 @@ def test_ranks_are_spawned_when_torch_would_load_with_other_settings(monkeypatch
 
 def test_a_spawned_world_runs_as_a_forked_one(monkeypatch):
     monkeypatch.setenv("SHARDCHECK_TEST_PROBE", "spawned")
-    with World(1, timeout=30, fork_server=False) as world:
+    with SpawnedWorld(1, timeout=30, fork_server=False) as world:
         assert _parents(world) == {os.getpid()}
         assert _probe(world) == ["probe: spawned"]

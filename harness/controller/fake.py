@@ -3,7 +3,7 @@ process group (``harness/rank/fake_world.py``), so a layout of hundreds of ranks
 would-be hangs on a machine that holds four.
 
 It offers what ``runner.run`` and ``fuzz.fuzz`` need of a world (the interface of
-:class:`~shardcheck.harness.controller.world.World`), so ``shardcheck simulate`` is ``run`` and the
+:class:`~shardcheck.harness.controller.world.SpawnedWorld`), so ``shardcheck simulate`` is ``run`` and the
 fuzzer's search, on this world instead of a real one. Values are not checked: a fake collective
 moves no data.
 """
@@ -35,7 +35,7 @@ class FakeWorld:
     backend = BACKEND
 
     def __init__(self, sizes: Sequence[int], timeout: float = 60.0, workers: int | None = None) -> None:
-        from shardcheck.harness.controller.limits import usable_cores
+        from shardcheck.harness.controller.machine import usable_cores
 
         self.nproc = math.lcm(*sizes) if sizes else 1
         self.timeout = timeout
@@ -134,9 +134,9 @@ class FakeWorld:
 
 def _child(conn: Any) -> None:
     from shardcheck.harness.rank import fake_world
-    from shardcheck.harness.rank.main import _die_with_parent
+    from shardcheck.harness.wire import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     fake_world.serve(conn)
 
 

@@ -26,10 +26,9 @@ from hypothesis.errors import Flaky, Unsatisfiable
 
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller import runner
-from shardcheck.harness.backend import choose_backend
 from shardcheck.harness.controller.report import SilentReport
 from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, Verdict
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.worlds import World, world_for
 from shardcheck.scenarios import strategies
 from shardcheck.scenarios.scenario import LAYOUTS, Scenario
 
@@ -255,8 +254,8 @@ def fuzz(
         raise BadInput(f"target {target_spec!r} runs at none of the {'tp' if not tp else 'cp'} sizes asked for "
                        f"(it supports {sorted(caps.tp_sizes if not tp else caps.cp_sizes)})")
     size, pairs = plan_world(tp, cp, usable, world.nproc if world is not None else nproc, max_ranks)
-    if world is None:
-        backend, _ = choose_backend(backend, size)  # nccl that cannot be had: BadInput before the search
+    # the world is chosen before the search (nccl that cannot be had is BadInput now); it starts later
+    chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     seed = random.randrange(2**32) if seed is None else seed
     result = FuzzResult(target_spec, seed, size, pairs, usable)
     strategy = strategies.scenarios(
@@ -264,7 +263,7 @@ def fuzz(
         entropy=entropy, dtype=dtype, replay_keep=replay_keep, sampling=sampling, max_samples=max_samples,
         max_total=max_total,
     )
-    active = world if world is not None else World(size, timeout=timeout, lockstep=lockstep, backend=backend)
+    active = chosen.world
     runs = _Search(result, target_spec, active, max_shrinks, progress)
     namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy, replay_keep,
                       sampling))
@@ -281,8 +280,7 @@ def fuzz(
     begun = time.perf_counter()
     starts_before = len(active.startup_seconds)
     try:
-        if not active.started:
-            active.start()  # before the search: start-up is not charged to any example
+        active.ensure_ready()  # before the search: start-up is not charged to any example
         runs.t0 = time.perf_counter()
         try:
             search()
@@ -298,7 +296,7 @@ def fuzz(
         result.failure = runs.last
     finally:
         result.startup_seconds = list(active.startup_seconds[starts_before:])
-        if world is None:
+        if chosen.owned:
             active.close()
         result.wall_seconds = time.perf_counter() - begun
     return result

@@ -325,7 +325,7 @@ def _call_text(c: dict[str, Any]) -> str:
 def _layout_map(scenario: dict[str, Any], built: dict[str, dict[str, Any]]) -> list[str]:
     """Per rank of the layout (tp rank, cp rank): its rows, sample after sample; the rows the
     framework's data path built when it built them (``built``: world rank -> the rank's payload)."""
-    from shardcheck.harness.layout import Piece, RankLayout, rank_layout
+    from shardcheck.scenarios.layout import Piece, RankLayout, rank_layout
     from shardcheck.scenarios.scenario import Scenario
 
     try:

@@ -41,6 +41,7 @@ import torch
 
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller.verdict import INVARIANCE_VIOLATION, Failure, RankResult, Verdict, merge
+from shardcheck.harness.controller.worlds import World
 from shardcheck.scenarios.scenario import CP_LAYOUTS, Sample, Scenario, data_id
 from shardcheck.harness.wire import Checks
 from shardcheck.targets.base import knob_skip_reason
@@ -464,7 +465,7 @@ def check_invariance(
     nproc: int | None = None,
     timeout: float = 60.0,
     backend: str = "gloo",
-    world: Any = None,
+    world: World | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
     on_base: Callable[[InvarianceResult], None] | None = None,
 ) -> InvarianceResult:
@@ -472,19 +473,15 @@ def check_invariance(
     (or the given one). ``expect`` overrides, axis by axis, what the target declares.
     ``on_base`` is called with the result so far after each base scenario (a report rewritten
     then keeps what was found if the run is stopped)."""
-    from shardcheck.harness.backend import choose_backend
     from shardcheck.harness.controller.runner import controller_target, world_size_for
-    from shardcheck.harness.controller.world import World
+    from shardcheck.harness.controller.worlds import world_for
 
     axes = check_axes(axes)
     target = controller_target(target_spec)
     contract = declared_contract(target) | (expect or {})
     size = world.nproc if world is not None else nproc or max(4, world_size_for(scenarios))
-    own_world = world is None
-    backend_why = "the given world's"
-    if own_world:
-        backend, backend_why = choose_backend(backend, size)
-        world = World(size, timeout=timeout, backend=backend)
+    chosen = world_for(size, given=world, backend=backend, timeout=timeout)
+    world, own_world, backend_why = chosen.world, chosen.owned, chosen.why
     def run(sc: Scenario) -> list[RankResult]:
         # outputs only: values against the reference and the in-place check are `run`'s business
         results = world.run(sc.to_dict(), target_spec, Checks(outputs=True, reference=False, inplace=False))
@@ -494,7 +491,7 @@ def check_invariance(
 
     check = Invariance(target, axes, contract, size, run, on_run)
     res = check.result
-    res.info = InvarianceInfo(target_spec, size, getattr(world, "backend", backend), backend_why,
+    res.info = InvarianceInfo(target_spec, size, world.backend, backend_why,
                               [sc.name for sc in scenarios])
     t0 = time.perf_counter()
     try:
@@ -507,7 +504,7 @@ def check_invariance(
                 on_base(res)
         res.info.complete = True
     finally:
-        res.info.startup_seconds = [round(s, 3) for s in getattr(world, "startup_seconds", [])]
+        res.info.startup_seconds = [round(s, 3) for s in world.startup_seconds]
         res.info.wall_seconds = round(time.perf_counter() - t0, 3)
         if own_world:
             world.close()

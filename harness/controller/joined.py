@@ -6,7 +6,7 @@ and calls :meth:`JoinedWorld.run` with the same scenarios in the same order. Eac
 part in this process and the results are exchanged, so every rank returns the same list and
 reaches the same verdict. It offers what :func:`shardcheck.harness.controller.runner.run` needs of a world.
 
-Unlike a spawned :class:`~shardcheck.harness.controller.world.World`, a joined world cannot be restarted:
+Unlike a spawned :class:`~shardcheck.harness.controller.world.SpawnedWorld`, a joined world cannot be restarted:
 after a failure that left the backend's groups out of step (only possible without the lockstep
 check, or when the backend itself failed) later scenarios report that instead of hanging.
 """
@@ -42,8 +42,8 @@ class JoinedWorld:
         self.requested_backend = backend
         self.backend = "gloo"
         self.startup_seconds: list[float] = []
-        self.events: list[str] = []  # as World's; a joined world has none (it cannot restart)
-        self.progress: Any = None  # as World's; a joined world starts with its launcher
+        self.events: list[str] = []  # as SpawnedWorld's; a joined world has none (it cannot restart)
+        self.progress: Any = None  # as SpawnedWorld's; a joined world starts with its launcher
         self._runner: Any = None
         self._exchange: Any = None  # a gloo group of its own for the results
         self._store: Any = None

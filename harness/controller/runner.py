@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardcheck.harness.backend import choose_backend
 from shardcheck.harness.controller.verdict import (
     COLLECTIVE_MISMATCH,
     FAIL,
@@ -19,7 +18,7 @@ from shardcheck.harness.controller.verdict import (
     merge,
 )
 from shardcheck.harness.controller.reach_report import Reach
-from shardcheck.harness.controller.world import World
+from shardcheck.harness.controller.worlds import World, world_for
 from shardcheck.harness import wire
 from shardcheck.harness.wire import RANK_ERROR, Checks
 from shardcheck.scenarios.scenario import Scenario
@@ -140,22 +139,17 @@ def run(
             skips[i] = reason
     runnable = [(i, sc) for i, sc in enumerate(scenarios) if i not in skips]
     size = given or world_size_for([sc for _, sc in runnable])
-    backend_why = "the given world's"
-    if world is None:
-        backend, backend_why = choose_backend(backend, size)
-    info = RunInfo(target.describe(), target_spec, size, world.backend if world is not None else backend,
-                   backend_why, world.lockstep if world is not None else lockstep, inplace=inplace)
+    chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
+    world = chosen.world
+    info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace)
     reach = Reach(str(target.src) if getattr(target, "src", None) is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
     for _, v in verdicts:
         reporter.add(v)
-    own_world = world is None and bool(runnable)
-    if own_world:
-        world = World(size, timeout=timeout, lockstep=lockstep, backend=backend)
-    events_before = len(world.events) if world is not None else 0
-    if world is not None:
-        world.progress = getattr(reporter, "world_starting", None)
+    own_world = chosen.owned
+    events_before = len(world.events)
+    world.progress = getattr(reporter, "world_starting", None)
     try:
         # Group by (tp, cp) so megatron's groups are rebuilt once per layout, not per scenario.
         for i, sc in sorted(runnable, key=lambda p: (p[1].tp, p[1].cp)):
@@ -182,12 +176,11 @@ def run(
             verdicts.append((i, verdict))
             reporter.add(verdict)
     finally:
-        if world is not None:
-            info.startup_seconds = [round(s, 3) for s in world.startup_seconds]
-            info.world_events = world.events[events_before:]
-            world.progress = None
-            if hasattr(world, "rank_output"):
-                info.rank_output = [{"line": line, "ranks": ranks} for line, ranks in world.rank_output()]
+        info.startup_seconds = [round(s, 3) for s in world.startup_seconds]
+        info.world_events = world.events[events_before:]
+        world.progress = None
+        if hasattr(world, "rank_output"):  # a spawned world's ranks' own printing
+            info.rank_output = [{"line": line, "ranks": ranks} for line, ranks in world.rank_output()]
         if own_world:
             world.close()
         info.wall_seconds = round(time.perf_counter() - t0, 3)

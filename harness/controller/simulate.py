@@ -43,7 +43,7 @@ def main(args: argparse.Namespace, scenarios: list[Scenario] | None, target_args
 def _search(args: argparse.Namespace, target_args: list[str]) -> int:
     from shardcheck.harness.controller.fuzz_report import Progress, summary, write_minimal
     from shardcheck.scenarios.scenario import LAYOUTS
-    from shardcheck.scenarios.strategies import layout_fits
+    from shardcheck.scenarios.scenario import layout_fits
 
     tp, cp = args.tp or DEFAULT_TP, args.cp or DEFAULT_CP
     layouts = args.layout or None
@@ -79,7 +79,7 @@ def _header(plan: fuzz.FuzzResult, quiet: bool) -> None:
 def replay_on_real_world(sc: Scenario, target: str, kinds: Sequence[str], timeout: float) -> str:
     """The minimal failing scenario on a real gloo world of tp * cp ranks, when this machine holds
     one: the kinds it gives there, beside the simulation's."""
-    from shardcheck.harness.controller.limits import Machine
+    from shardcheck.harness.controller.machine import Machine
     from shardcheck.harness.controller.report import SilentReport
 
     machine = Machine.here()

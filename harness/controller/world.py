@@ -30,7 +30,7 @@ from shardcheck.harness.wire import Checks, Failure, RankResult
 
 
 
-class World:
+class SpawnedWorld:
     def __init__(self, nproc: int, *, timeout: float = 60.0, start_timeout: float = 180.0,
                  lockstep: bool = True, backend: str = "gloo", fork_server: bool = True) -> None:
         if nproc < 1:
@@ -59,7 +59,7 @@ class World:
         self.progress: Callable[[str, float], None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
-    def __enter__(self) -> World:
+    def __enter__(self) -> SpawnedWorld:
         self.start()
         return self
 
@@ -293,7 +293,7 @@ class World:
         """Tell the dead rank's peers (waiting in lockstep) at once, instead of by timeout."""
         import json
 
-        from shardcheck.harness.rank.lockstep import status_key
+        from shardcheck.harness.wire import status_key
 
         try:
             self._store.set(status_key(seq, rank), json.dumps({"state": "died", "reason": why}))

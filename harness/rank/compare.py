@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardcheck.harness.rank import shard
-from shardcheck.harness.layout import RankLayout
+from shardcheck.scenarios.layout import RankLayout
 from shardcheck.harness.wire import GRAD_MISMATCH, VALUE_MISMATCH, Failure
 from shardcheck.reference import loss_grad_chunks
 from shardcheck.scenarios.data import ScenarioData

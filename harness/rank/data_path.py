@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from shardcheck.harness import traced_layout
-from shardcheck.harness.layout import RankLayout, rank_layout
+from shardcheck.scenarios.layout import RankLayout, rank_layout
 from shardcheck.harness.wire import LAYOUT_MISMATCH, Failure
 from shardcheck.scenarios.data import ScenarioData
 from shardcheck.targets.base import Rollout, data_path, resolved_knobs

@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
+from shardcheck.harness.wire import status_key
 
 SLICE_S = 0.05  # how long a wait blocks before it looks at the peers' status
 LAST_MATCHED = 3
@@ -47,10 +48,6 @@ def agree_key(seq: int, group: str, number: int, digest: str, rank: int) -> str:
 
 def call_key(seq: int, group: str, number: int, rank: int) -> str:
     return f"call/{seq}/{group}/{number}/{rank}"
-
-
-def status_key(seq: int, rank: int) -> str:
-    return f"status/{seq}/{rank}"
 
 
 class CollectiveMismatch(RuntimeError):

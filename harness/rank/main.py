@@ -17,7 +17,9 @@ if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal be
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
     """Process entry point (started by the controller: forked from its server, or spawned)."""
-    _die_with_parent()
+    from shardcheck.harness.wire import die_with_parent  # light: the guard is armed before torch loads
+
+    die_with_parent()
     _let_the_fork_server_go()
     controller = options.get("controller_pid")
     if controller is not None and not _alive(controller):  # it died before the signal was armed
@@ -122,17 +124,6 @@ def _add(found: list, errors: dict, checked: tuple[list, dict]) -> None:
     failures, worst = checked
     found += failures
     errors.update(worst)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to kill this rank if the controller dies, so no rank outlives a killed run."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _let_the_fork_server_go() -> None:

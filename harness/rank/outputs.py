@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shardcheck.harness.layout import RankLayout
+from shardcheck.scenarios.layout import RankLayout
 
 
 def rank_outputs(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from shardcheck.scenarios.scenario import Scenario
 
 
@@ -143,3 +145,42 @@ def rank_layout(scenario: Scenario, tp_rank: int, cp_rank: int) -> RankLayout:
     else:
         share = tuple(zigzag_share(s.total, s.response, sc.cp, cp_rank) for s in samples)
     return RankLayout(sc, tp_rank, cp_rank, tuple(pieces), shape, columns, share)
+
+
+# The rows of a rank, as tensors: what a target asks (RankInputs.row_labels, scored_rows,
+# held_rows), and what a rank owes under a framework's own layout.
+
+def local_row_targets(layout: RankLayout, tokens: list[torch.Tensor]) -> torch.Tensor:
+    """The token every local row predicts (0 where it predicts none: last, padding rows)."""
+    samples = layout.scenario.samples
+    out = torch.zeros(layout.num_rows, dtype=torch.int64)
+    for row, (stream, pos) in enumerate(layout.row_positions()):
+        if stream < len(samples) and pos + 1 < samples[stream].total:
+            out[row] = tokens[stream][pos + 1]
+    return out
+
+
+def local_share_rows(layout: RankLayout) -> list[torch.Tensor] | None:
+    """Per sample, the local rows scoring the rank's share, in output order; None when some share
+    row is held by another rank (all-gather CP: the values must be redistributed)."""
+    where = {rp: row for row, rp in enumerate(layout.row_positions())}
+    out = []
+    for i, js in enumerate(layout.share):
+        first = layout.scenario.samples[i].prompt - 1
+        rows = [where.get((i, first + j)) for j in js]
+        if any(r is None for r in rows):
+            return None
+        out.append(torch.tensor(rows, dtype=torch.int64))
+    return out
+
+
+def local_held_rows(layout: RankLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, (local rows, response token indices) of the response tokens this rank's own
+    rows score, in position order (all-gather CP: the rank's contiguous slice)."""
+    held: list[tuple[list[int], list[int]]] = [([], []) for _ in layout.scenario.samples]
+    for row, (stream, pos) in enumerate(layout.row_positions()):
+        j = layout.scored_token(stream, pos)
+        if j is not None:
+            held[stream][0].append(row)
+            held[stream][1].append(j)
+    return [(torch.tensor(r, dtype=torch.int64), torch.tensor(j, dtype=torch.int64)) for r, j in held]
