@@ -22,7 +22,8 @@ import torch
 
 from shardcheck.harness.rank import shard
 from shardcheck.scenarios.layout import RankLayout
-from shardcheck.harness.wire import GRAD_MISMATCH, VALUE_MISMATCH, Failure
+from shardcheck.harness.rank.pipeline import Check, Life
+from shardcheck.harness.wire import GRAD_MISMATCH, VALUE_MISMATCH, Checks, Failure
 from shardcheck.reference import loss_grad_chunks
 from shardcheck.scenarios.data import ScenarioData
 
@@ -209,3 +210,25 @@ def _grad_failure(layout: RankLayout, stream: int, pos: int, column: int, got: f
         GRAD_MISMATCH, f"grad {where} column {column}: got {got:.6g}, want {want:.6g}", [rank],
         field="grad", sample=sample, token=token, position=pos_out, column=column, got=got, want=want,
     )
+
+
+class ReferenceComparison(Check):
+    """Values (before the backward runs) and the logits' gradient against the float64
+    reference, under the target's definitions: what it owes, its entropy's sign."""
+
+    kind = VALUE_MISMATCH  # and GRAD_MISMATCH
+
+    @classmethod
+    def wanted(cls, checks: Checks) -> bool:
+        return checks.reference
+
+    def after_forward(self, life: Life) -> None:
+        sign = life.definitions.entropy_sign
+        life.add(compare_outputs(life.owed, life.data, life.outputs.log_probs, life.entropy, life.rank,
+                                 life.reference_device, sign, life.owed_entropy))
+        if life.form == "policy":
+            life.add(compare_loss(life.owed, life.data, life.outputs.loss, life.rank, life.reference_device, sign))
+
+    def after_backward(self, life: Life) -> None:
+        life.add(compare_grad(life.layout, life.data, life.grad, life.rank, life.reference_device,
+                              life.definitions.entropy_sign))

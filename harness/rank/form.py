@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from shardcheck.harness.rank.pipeline import Check, Life
 from shardcheck.harness.wire import VALUE_MISMATCH, Failure, short_path
 
 
@@ -82,3 +83,24 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def _what(value: Any) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
+
+
+class OutputForm(Check):
+    """What compute returned is a RankOutputs of well-formed tensors; else nothing is compared or
+    differentiated past a problem that makes its values unreadable here."""
+
+    kind = VALUE_MISMATCH
+
+    def after_forward(self, life: Life) -> None:
+        site = compute_site(life.target)
+        wrong = not_outputs(life.outputs, site, life.rank)
+        if wrong is not None:  # nothing to compare or differentiate
+            life.found.append(wrong)
+            life.stop()
+            return
+        sc = life.scenario
+        malformed = form_problems(life.outputs, life.inputs.logits, sc.with_entropy, sc.entropy_coef,
+                                  life.form == "policy", site, life.rank)
+        life.found += malformed
+        if any(f.details["malformed"] == "device" for f in malformed):  # its values cannot be read here
+            life.stop()

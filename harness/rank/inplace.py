@@ -26,7 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck.harness.rank import trace
-from shardcheck.harness.wire import INPUT_MUTATED, Failure
+from shardcheck.harness.rank.pipeline import Check, Life
+from shardcheck.harness.wire import INPUT_MUTATED, Checks, Failure
 
 # A changed element's place, in global terms: the Failure fields it fills in (sample, token,
 # position, column) and the words that name it.
@@ -218,3 +219,33 @@ def _share_locator(layout: Any, sample: int) -> Locate:
         return {"sample": sample, "token": token}, f"sample {sample} response token {token}"
 
     return locate
+
+
+class InputsUnchanged(Check):
+    """``input_mutated``: every tensor handed to the target (and every gradient fed into its
+    outputs) is the same after the forward and after the backward; with ``explain`` the first
+    in-place write into one is found as it happens."""
+
+    kind = INPUT_MUTATED
+
+    @classmethod
+    def wanted(cls, checks: Checks) -> bool:
+        return checks.inplace
+
+    def inputs_made(self, life: Life) -> None:
+        self.guard = guard_inputs(life.rank, life.layout, life.data, life.inputs, life.leaf)
+
+    def forward(self, life: Life) -> Any:
+        return self.guard.writes_watch(life.checks.explain)
+
+    def after_forward(self, life: Life) -> None:
+        life.found += self.guard.check("forward")
+
+    def before_backward(self, life: Life) -> None:
+        guard_gradients(self.guard, life.owed, life.fed, life.owed_entropy)
+
+    def backward(self, life: Life) -> Any:
+        return self.guard.writes_watch(life.checks.explain)
+
+    def after_backward(self, life: Life) -> None:
+        life.found += self.guard.check("backward")

@@ -120,12 +120,6 @@ def _trace_payload(calls: Any, everything: bool, failed: bool, cap: int | None =
     return [c.to_dict() for c in chosen]
 
 
-def _add(found: list, errors: dict, checked: tuple[list, dict]) -> None:
-    failures, worst = checked
-    found += failures
-    errors.update(worst)
-
-
 def _let_the_fork_server_go() -> None:
     """A rank forked from the server inherits the controller's end of the pipe whose closing
     tells the server to exit; while the rank holds it, the server, this rank's parent, outlives a
@@ -301,19 +295,17 @@ class RankRunner:
         import torch
 
         from shardcheck.harness.rank import groups, shard
-        from shardcheck.harness.rank.compare import compare_grad, compare_loss, compare_outputs
-        from shardcheck.harness.rank.form import compute_site, form_problems, not_outputs
-        from shardcheck.harness.rank.inplace import InputGuard, guard_gradients, guard_inputs
+        from shardcheck.harness.rank.checks import CHECKS
         from shardcheck.harness.rank.data_path import layout_for, layout_payload
-        from shardcheck.harness.rank.model_stand_in import model_output
         from shardcheck.harness.rank.loss import policy_gradients, share_gradients
-        from shardcheck.harness.rank.outputs import rank_outputs
+        from shardcheck.harness.rank.model_stand_in import model_output
+        from shardcheck.harness.rank.pipeline import Life, pipeline_for
         from shardcheck.scenarios import Scenario
         from shardcheck.scenarios.data import ScenarioData
         from shardcheck.targets import RankInputs, loss_form
         from shardcheck.targets.base import definitions, description
 
-        inplace, reference, explain = checks.inplace, checks.reference, checks.explain
+        explain = checks.explain
         sc = Scenario.from_dict(scenario_dict)
         target = self.target(spec)
         groups.configure(sc.tp, sc.cp)
@@ -348,57 +340,45 @@ class RankRunner:
             top_p=float(sc.top_p),
             rollout=rollout,
         )
-        guard = guard_inputs(self.rank, layout, data, inputs, leaf) if inplace else InputGuard(self.rank)
+        # the reference follows the target's definitions: its entropy's sign, and what it owes
+        # (its share, the tokens its rows score, or with CP every token: the loss over the
+        # gathered sequence / cp on each rank)
+        defined = definitions(target)
+        life = Life(self.rank, checks, sc, data, layout, target, inputs, leaf, form, defined,
+                    owed=shard.owed_layout(layout, defined.loss_over),
+                    owed_entropy=shard.owed_layout(layout, defined.entropy_loss_over),
+                    # the reference runs where the rank computes: on its GPU under nccl, in row chunks
+                    reference_device=self.device if getattr(self.device, "type", "cpu") == "cuda" else None,
+                    found=found, errors=errors)
+        pipeline = pipeline_for(checks, CHECKS)
+        pipeline.call("inputs_made", life)
         # explaining: anomaly mode makes torch record each autograd node's forward stack, so a
         # collective issued in the backward names where its node was made (see trace)
         anomaly = torch.autograd.detect_anomaly(check_nan=False) if explain else contextlib.nullcontext()
-        with guard.writes_watch(explain), anomaly:
-            outputs = target.compute(inputs)
-        found += guard.check("forward")
-        site = compute_site(target)
-        wrong = not_outputs(outputs, site, self.rank)
-        if wrong is not None:  # nothing to compare or differentiate
-            found.append(wrong)
+        with pipeline.around("forward", life), anomaly:
+            life.outputs = target.compute(inputs)
+        life.entropy = getattr(life.outputs, "entropy", None) if sc.with_entropy else None
+        pipeline.call("after_forward", life)
+        if life.stopped:
             return description(target), None
-        malformed = form_problems(outputs, inputs.logits, sc.with_entropy, sc.entropy_coef, form == "policy",
-                                  site, self.rank)
-        found += malformed
-        if any(f.details["malformed"] == "device" for f in malformed):  # its values cannot be read here
-            return description(target), None
-        entropy = outputs.entropy if sc.with_entropy else None
-        # the reference runs where the rank computes: on its GPU under nccl, in row chunks
-        ref_device = self.device if getattr(self.device, "type", "cpu") == "cuda" else None
-        # the reference follows the target's definitions: its entropy's sign, and what it owes
-        # (its share, or with CP every token, the loss over the gathered sequence / cp on each rank)
-        defined = definitions(target)
-        sign, owed = defined.entropy_sign, shard.owed_layout(layout, defined.loss_over)
-        owed_entropy = shard.owed_layout(layout, defined.entropy_loss_over)
-        if reference:  # the values are compared before the backward runs
-            _add(found, errors, compare_outputs(owed, data, outputs.log_probs, entropy, self.rank, ref_device,
-                                                sign, owed_entropy))
         if form == "policy":
-            if reference:
-                _add(found, errors, compare_loss(owed, data, outputs.loss, self.rank, ref_device, sign))
             # a malformed loss is reported above; the rank has nothing to differentiate, and its
             # peers' backward collectives then show the asymmetry
-            fed = policy_gradients(outputs.loss)
+            life.fed = policy_gradients(life.outputs.loss)
         else:
             # Differentiate whatever is well formed, so a malformed output on one rank does not
-            # leave its peers alone in a backward collective.
-            # where a field is owed gathered, every CP rank's loss is the whole sequence's / cp
+            # leave its peers alone in a backward collective. Where a field is owed gathered,
+            # every CP rank's loss is the whole sequence's / cp.
             lp_scale, ent_scale = (sc.cp if over == "gathered" else 1
                                    for over in (defined.loss_over, defined.entropy_loss_over))
             weights = [(w_lp / lp_scale, w_ent / ent_scale) for (w_lp, _), (_, w_ent)
-                       in zip(shard.share_weights(data, owed), shard.share_weights(data, owed_entropy))]
-            fed = share_gradients(outputs.log_probs, entropy, weights, sc.entropy_coef)
-        if inplace:
-            guard_gradients(guard, owed, fed, owed_entropy)
-        if fed:
-            with guard.writes_watch(explain):
-                torch.autograd.backward([f.output for f in fed], [f.grad for f in fed])
-        found += guard.check("backward")
-        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        if reference:
-            _add(found, errors, compare_grad(layout, data, grad, self.rank, ref_device, sign))
-        produced = rank_outputs(owed, outputs.log_probs, entropy, grad, owed_entropy) if checks.outputs else None
-        return description(target), produced
+                       in zip(shard.share_weights(data, life.owed), shard.share_weights(data, life.owed_entropy))]
+            life.fed = share_gradients(life.outputs.log_probs, life.entropy, weights, sc.entropy_coef)
+        pipeline.call("before_backward", life)
+        if life.fed:
+            with pipeline.around("backward", life):
+                torch.autograd.backward([f.output for f in life.fed], [f.grad for f in life.fed])
+        life.grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        pipeline.call("after_backward", life)
+        pipeline.call("result", life)
+        return description(target), life.produced

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from shardcheck.harness.rank.pipeline import Check, Life
+from shardcheck.harness.wire import Checks
 from shardcheck.scenarios.layout import RankLayout
 
 
@@ -46,3 +48,16 @@ def rank_outputs(
                 pieces.append((p.stream, p.start, layout.columns[0], rows[row : row + real].clone()))
         row += p.rows
     return {"values": values, "grad": pieces}
+
+
+class OutputCapture(Check):
+    """Invariance's capture: the target's own outputs and logit gradient sent back, bit for bit."""
+
+    kind = ""  # it finds nothing itself: the controller compares what it captured
+
+    @classmethod
+    def wanted(cls, checks: Checks) -> bool:
+        return checks.outputs
+
+    def result(self, life: Life) -> None:
+        life.produced = rank_outputs(life.owed, life.outputs.log_probs, life.entropy, life.grad, life.owed_entropy)

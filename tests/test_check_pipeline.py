@@ -1,0 +1,68 @@
+"""A check is one module hooked into a scenario's life on the rank (harness/rank/pipeline.py):
+a new kind is added here without touching any other source file, and every report renders it."""
+
+import pytest
+
+from conftest import run_on_world
+from shardcheck.harness.rank.checks import CHECKS
+from shardcheck.harness.rank.pipeline import EXTRA_ENV, POINTS, Check, Life, Pipeline, extra_checks, pipeline_for
+from shardcheck.harness.wire import Checks
+from shardcheck.scenarios.suites import get_suite
+
+
+def test_the_built_in_checks_are_listed_once_and_follow_the_asked_checks():
+    names = [c.__name__ for c in CHECKS]
+    assert names == ["InputsUnchanged", "OutputForm", "ReferenceComparison", "OutputCapture"]
+    assert [type(c).__name__ for c in pipeline_for(Checks(), CHECKS).checks] == names[:3]
+    invariance = pipeline_for(Checks(outputs=True, reference=False, inplace=False), CHECKS)
+    assert [type(c).__name__ for c in invariance.checks] == ["OutputForm", "OutputCapture"]
+
+
+def test_every_point_is_called_in_order_and_a_stop_ends_the_life():
+    calls = []
+
+    class Recorder(Check):
+        def __getattribute__(self, name):
+            if name in POINTS and name not in ("forward", "backward"):
+                return lambda life: calls.append(name)
+            return object.__getattribute__(self, name)
+
+    class Stopper(Check):
+        def after_forward(self, life: Life) -> None:
+            life.stop()
+
+    life = Life(0, Checks(), None, None, None, None, None, None, "weighted", None, None, None)
+    pipe = Pipeline([Stopper(), Recorder()])
+    pipe.call("inputs_made", life)
+    with pipe.around("forward", life):
+        pass
+    pipe.call("after_forward", life)
+    pipe.call("after_backward", life)
+    assert calls == ["inputs_made"] and life.stopped
+
+
+def test_a_check_named_in_the_environment_must_be_one():
+    with pytest.raises(ValueError, match="is not a shardcheck Check"):
+        extra_checks("toy_check:RaisedLogProbs")
+    assert [c.__name__ for c in extra_checks("toy_check:PositiveLogProb")] == ["PositiveLogProb"]
+
+
+@pytest.mark.world
+def test_a_new_kind_is_found_by_its_own_module_and_rendered_by_every_report(tmp_path, world, monkeypatch):
+    from shardcheck.harness.controller.html_report import render
+
+    monkeypatch.setenv(EXTRA_ENV, "toy_check:PositiveLogProb")  # every rank reads the SHARDCHECK_* settings
+    scenarios = [s for s in get_suite("smoke") if s.name in ("thd-tp2cp1-basic", "zigzag-tp2cp2-edges")]
+    right = run_on_world(world, scenarios, "builtin", tmp_path / "b.json", "smoke")
+    assert right.exit_code == 0, right.stdout
+    caught = run_on_world(world, scenarios, "toy_check:RaisedLogProbs", tmp_path / "t.json", "smoke")
+    assert caught.exit_code == 1
+    for v in caught.report["scenarios"]:
+        assert "positive_log_prob" in v["kinds"], v["kinds"]
+        assert any(f["kind"] == "positive_log_prob" and f["message"].startswith("log_probs of sample 0")
+                   for f in v["failures"])
+    assert "positive_log_prob [ranks" in caught.stdout
+    assert "positive_log_prob" in render(caught.report)
+    monkeypatch.delenv(EXTRA_ENV)
+    without = run_on_world(world, scenarios[:1], "toy_check:RaisedLogProbs", tmp_path / "w.json", "smoke")
+    assert "positive_log_prob" not in without.report["scenarios"][0]["kinds"]
