@@ -196,9 +196,8 @@ def test_the_import_runs_no_package_init_writes_nothing_and_is_undone(tmp_path):
         f"{MEGATRON}/model_utils.py": MODEL_UTILS_NEW + "import shardcheck_absent_module\n",
         "skyrl/__init__.py": "raise RuntimeError('skyrl/__init__.py must not run')\n",
         "skyrl/backends/__init__.py": "raise RuntimeError('must not run')\n"})
-    checkout = Checkout(dataclasses.replace(FRAMEWORK, stubbable=("shardcheck_absent_module",)), src)
-    import torch._dynamo  # noqa: F401 - what eager=True imports to switch torch.compile off (and keeps)
-
+    # eager=False: switching torch.compile off imports torch._dynamo (seconds), which the base's own tests cover
+    checkout = Checkout(dataclasses.replace(FRAMEWORK, stubbable=("shardcheck_absent_module",), eager=False), src)
     before = (set(sys.modules), list(sys.meta_path), sys.dont_write_bytecode)
     try:
         module = checkout.import_module(MODULE)
@@ -298,8 +297,9 @@ SHORT_FIX = "bcc85e241"  # "fix short sequences under CP in preprocess_packed_se
 
 def _at(commit: str, tmp_path, monkeypatch) -> None:
     """Point the ranks at ``commit`` of the repository (its skyrl/ tree, exported)."""
+    # the folders the adapter reads (skyrl/ as a whole also holds docs images)
     monkeypatch.setenv(ENV, export_commit(os.environ[REPO_ENV], commit, tmp_path / commit.replace("~", "-parent-"),
-                                          "skyrl"))
+                                          "skyrl/backends", "skyrl/train/dataset"))
 
 
 @needs_history
