@@ -211,8 +211,9 @@ class SkyRLTarget(CheckoutTarget):
         out = {"functions": functions, "definitions": self.definitions.describe(), "temperature": temperature,
                "data_path": self.data_path.name, "framework_files": list(self.framework_files)}
         if self.data_path.newer_fields:
-            out["packed_seq_params"] = (f"megatron-core's PackedSeqParams with {', '.join(self.data_path.newer_fields)} "
-                                        f"kept as attributes (a newer megatron-core's fields SkyRL's {PACK} passes)")
+            newer = ", ".join(self.data_path.newer_fields)
+            out["packed_seq_params"] = (f"megatron-core's PackedSeqParams with {newer} kept as attributes (a newer "
+                                        f"megatron-core's fields SkyRL's {PACK} passes)")
         return out
 
     def _module(self) -> Any:

@@ -44,9 +44,11 @@ MEGATRON_UTILS = MEGATRON / "megatron_utils.py"
 PACKING_UTILS = MEGATRON / "packing_utils.py"
 WRAPPER = Path("skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py")
 PREPROCESS = Path("skyrl/train/dataset/preprocess.py")
-# SkyRL's functions: the batch (preprocess.py), its packing and unpacking (megatron_utils.py), the packed targets (wrapper)
+# SkyRL's functions: the batch (preprocess.py), its packing and unpacking (megatron_utils.py), the
+# packed targets (the wrapper)
 BATCH, PACK, UNPACK, TARGETS = ("convert_prompts_responses_to_batch_tensors", "preprocess_packed_seqs",
                                 "postprocess_packed_seqs", "_build_packed_targets")
+ALIGNMENT = ("get_packed_seq_align_size", "get_unpacked_seq_align_size")  # packing_utils.py
 # what the batch function reads only on the routed-expert (MoE replay) branch, which a rollout
 # without expert indices never takes
 ROUTED_EXPERTS = ("compact_routed_expert_indices", "make_replay_padding_indices_np")
@@ -130,10 +132,12 @@ class SkyRLDataPath:
 
             self.newer_fields = sorted(self.params_passed - {f.name for f in dataclasses.fields(PackedSeqParams)})
 
-            align = compile_alone(self.src / PACKING_UTILS, ["get_packed_seq_align_size", "get_unpacked_seq_align_size"],
-                                  {"math": math}) if (self.src / PACKING_UTILS).is_file() else {}
-            given = {"torch": torch, "mpu": mpu, "PackedSeqParams": with_newer_fields(PackedSeqParams, self.newer_fields),
-                     **{k: v for k, v in align.items() if k.startswith("get_")}}
+            # the alignment rule's own file since 3c96b381f (inline in preprocess_packed_seqs before)
+            align = (compile_alone(self.src / PACKING_UTILS, ALIGNMENT, {"math": math})
+                     if (self.src / PACKING_UTILS).is_file() else {})
+            params = with_newer_fields(PackedSeqParams, self.newer_fields)
+            given = {"torch": torch, "mpu": mpu, "PackedSeqParams": params,
+                     **{n: align[n] for n in align if n in ALIGNMENT}}
             out = compile_alone(self.src / MEGATRON_UTILS, [PACK] + ([UNPACK] if self.has_unpack else []), given)
             out.update(compile_alone(self.src / PREPROCESS, [BATCH, *self.batch_helpers],
                                      {"np": np, "torch": torch, "logger": logging.getLogger("skyrl.preprocess")},
