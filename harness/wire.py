@@ -125,6 +125,12 @@ INVARIANCE_VIOLATION = "invariance_violation"
 LAYOUT_MISMATCH = "layout_mismatch"
 KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION,
          LAYOUT_MISMATCH)
+# The kinds that name where a run stopped (a rank raised, died or hung; ranks diverged): listed
+# first in a verdict, with where each rank runs. Any other kind, a check's own, is rendered alike.
+ROOT_CAUSES = (RANK_ERROR, COLLECTIVE_MISMATCH)
+# A failure's detail saying that running the scenario again with Checks.explain would name its
+# call site (the write watch, the forward stack of a backward call): the controller does so.
+EXPLAIN = "explain"
 
 @dataclass
 class Failure:

@@ -159,13 +159,18 @@ def test_tokens_and_policy_inputs_are_watched_and_a_harmless_write_is_allowed(wo
 
 
 def test_a_change_that_does_not_repeat_when_explained_says_so():
-    from shardcheck.harness.controller.runner import _explained, _unexplained_mutation
+    from shardcheck.harness.controller.runner import _explained, _unexplained
     from shardcheck.harness.controller.verdict import Failure, Verdict
+    from shardcheck.harness.wire import EXPLAIN
 
     sc = Scenario("x", (Sample(5, 2),), vocab=4)
-    first = Verdict(sc, "fail", [Failure("input_mutated", "logits changed in forward", [0], field="logits")])
-    assert _unexplained_mutation(first)
+    first = Verdict(sc, "fail", [Failure("input_mutated", "logits changed in forward", [0], field="logits",
+                                         details={EXPLAIN: True})])
+    assert _unexplained(first)
     kept = _explained(first, Verdict(sc, "pass", seconds=2.0))
     assert kept is first and kept.seconds == 2.0 and "did not happen again when the scenario was run" in kept.failures[0].message
+    assert EXPLAIN not in kept.failures[0].details
+    first = Verdict(sc, "fail", [Failure("input_mutated", "logits changed in forward", [0], field="logits",
+                                         details={EXPLAIN: True})])
     explained = Verdict(sc, "fail", [Failure("input_mutated", "m", [0], details={"site": ["a.py:1"]})])
-    assert _explained(first, explained) is explained and not _unexplained_mutation(explained)
+    assert _explained(first, explained) is explained and not _unexplained(explained)

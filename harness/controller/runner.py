@@ -8,19 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardcheck.harness.controller.verdict import (
-    COLLECTIVE_MISMATCH,
-    FAIL,
-    INPUT_MUTATED,
-    SKIP,
-    RunInfo,
-    Verdict,
-    merge,
-)
+from shardcheck.harness.controller.verdict import FAIL, SKIP, RunInfo, Verdict, merge
 from shardcheck.harness.controller.reach_report import Reach
 from shardcheck.harness.controller.worlds import World, world_for
 from shardcheck.harness import wire
-from shardcheck.harness.wire import RANK_ERROR, Checks
+from shardcheck.harness.wire import EXPLAIN, ROOT_CAUSES, Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
 from shardcheck.targets.base import data_path, knob_skip_reason
@@ -62,7 +54,7 @@ def _place(verdict: Verdict, placement: dict[int, str] | None) -> None:
     if not placement:
         return
     for f in verdict.failures:
-        if f.kind in (COLLECTIVE_MISMATCH, RANK_ERROR):
+        if f.kind in ROOT_CAUSES:
             ranks = sorted(set(f.ranks) | {int(r) for r in f.details.get("sides", {})})
             f.details["placement"] = {str(r): placement[r] for r in ranks if r in placement}
 
@@ -73,25 +65,21 @@ def _layout_note(target: Target, scenario: Scenario) -> str | None:
     return path.builds(scenario) if path is not None else None
 
 
-def _unexplained_mutation(verdict: Verdict) -> bool:
-    return any(f.kind == INPUT_MUTATED and "site" not in f.details for f in verdict.failures)
-
-
-def _unexplained_backward_call(verdict: Verdict) -> bool:
-    return any(f.kind == COLLECTIVE_MISMATCH and f.phase == "backward" and "(its forward at" not in f.message
-               for f in verdict.failures)
-
-
-_EXPLAINED = (INPUT_MUTATED, COLLECTIVE_MISMATCH)
+def _unexplained(verdict: Verdict) -> bool:
+    """Whether a failure says a run with ``explain`` would name its call site."""
+    return any(f.details.get(EXPLAIN) for f in verdict.failures)
 
 
 def _explained(first: Verdict, again: Verdict) -> Verdict:
     """The second run's verdict when it found those kinds again (now with their call sites);
     else the first, saying that they did not happen again."""
-    if set(again.kinds) >= {k for k in first.kinds if k in _EXPLAINED}:
+    wanted = {f.kind for f in first.failures if f.details.get(EXPLAIN)}
+    if set(again.kinds) >= wanted:
+        for f in again.failures:
+            f.details.pop(EXPLAIN, None)  # asked once: a site still unknown stays so
         return again
     for f in first.failures:
-        if f.kind in _EXPLAINED:
+        if f.details.pop(EXPLAIN, None):
             f.message += "; this did not happen again when the scenario was run to find its call site"
     first.seconds = again.seconds
     return first
@@ -161,7 +149,7 @@ def run(
             verdict = merge(sc, results, time.perf_counter() - started)
             verdict.layout_note = _layout_note(target, sc)
             _place(verdict, getattr(world, "placement", None))
-            if _unexplained_mutation(verdict) or _unexplained_backward_call(verdict):
+            if _unexplained(verdict):
                 # the call site of an in-place write, and where a backward collective's autograd
                 # node was made, are found by watches too dear to keep on: run the scenario again
                 # with them (every rank decides the same, from the verdict)

@@ -14,6 +14,7 @@ from shardcheck.harness.wire import (  # noqa: F401  (the kinds, re-exported for
     INVARIANCE_VIOLATION,
     KINDS,
     RANK_ERROR,
+    ROOT_CAUSES,
     VALUE_MISMATCH,
     Failure,
     RankResult,
@@ -112,7 +113,7 @@ def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verd
     merged: dict[tuple, Failure] = {}
     for res in [*results, RankResult(-1, None, coverage_failures(scenario, layouts))]:
         for f in res.failures:
-            if f.kind == COLLECTIVE_MISMATCH and "divergent_call_at" in f.details and res.received_at is not None:
+            if "divergent_call_at" in f.details and res.received_at is not None:
                 f.details["reported_after_s"] = round(res.received_at - f.details["divergent_call_at"], 4)
             key = f.identity()
             if key in merged:
@@ -127,7 +128,7 @@ def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verd
                 merged[key] = dataclasses.replace(f, ranks=list(f.ranks), details=dict(f.details))
     failures = sorted(merged.values(), key=_order)
     notes = [n for res in results for n in res.notes]
-    if notes and failures and failures[0].kind in (RANK_ERROR, COLLECTIVE_MISMATCH):
+    if notes and failures and failures[0].kind in ROOT_CAUSES:
         root = failures[0]
         root.details["peers_waiting"] = notes
         root.message += "; " + "; ".join(n["message"] for n in notes)
@@ -145,7 +146,7 @@ def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verd
 def _order(f: Failure) -> tuple:
     # rank errors first, earliest first (the root cause; peers' timeouts follow), then by position
     return (
-        0 if f.kind in (RANK_ERROR, COLLECTIVE_MISMATCH) else 1,
+        0 if f.kind in ROOT_CAUSES else 1,
         f.details.get("at", 0.0),
         "count" in f.details,  # "... N more" summaries after the findings they summarise
         f.sample if f.sample is not None else -1,

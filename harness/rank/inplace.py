@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck.harness.rank import trace
 from shardcheck.harness.rank.pipeline import Check, Life
-from shardcheck.harness.wire import INPUT_MUTATED, Checks, Failure
+from shardcheck.harness.wire import EXPLAIN, INPUT_MUTATED, Checks, Failure
 
 # A changed element's place, in global terms: the Failure fields it fills in (sample, token,
 # position, column) and the words that name it.
@@ -103,6 +103,8 @@ class InputGuard:
         details: dict[str, Any] = {"changed": changed.numel(), "elements": given.numel()}
         if write is not None:
             details |= {"op": write.op, "site": write.site, "write_phase": write.phase}
+        else:
+            details[EXPLAIN] = True  # the write watch, on a run again, names its call site
         return Failure(INPUT_MUTATED, message, [self.rank], field=w.name, phase=phase, got=float(now),
                        want=float(was), details=details, **where)
 

@@ -230,8 +230,11 @@ class RankRunner:
                 lockstep.finish()
         except CollectiveMismatch as exc:
             report = dict(exc.report)
-            failures = found + [Failure(COLLECTIVE_MISMATCH, report.pop("message"), [self.rank],
-                                        phase=report.pop("phase"), details={"at": time.time(), **report})]
+            message, phase = report.pop("message"), report.pop("phase")
+            if phase == "backward" and "(its forward at" not in message:
+                report[wire.EXPLAIN] = True  # anomaly mode, on a run again, names where its node was made
+            failures = found + [Failure(COLLECTIVE_MISMATCH, message, [self.rank], phase=phase,
+                                        details={"at": time.time(), **report})]
             self._stop(f"stopped on a collective mismatch in {report.get('label') or 'group'} "
                        f"{report['group_ranks']} call {report['call']}")
         except PeerStopped as exc:
