@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout, positive_int_or_none
-from shardcheck.targets.compiled import _reads, compile_alone
+from shardcheck.targets.compiled import names_read, compile_alone
 
 DATA_FILE = Path("areal/utils/data.py")
 MATH_FILE = Path("areal/utils/math.py")
@@ -145,7 +145,7 @@ def compile_methods(path: Path, cls: str, names: tuple[str, ...], given: dict[st
         raise LookupError(f"{path}: {cls} has no {', '.join(n for n in names if n not in found)}")
     module = ast.Module(body=[found[n] for n in names], type_ignores=[])
     table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(path), "exec")
-    reads = set().union(*(_reads(child) for child in table.get_children()))
+    reads = set().union(*(names_read(child) for child in table.get_children()))
     unknown = sorted(reads - set(given) - set(off_path) - set(vars(builtins)))
     if unknown:
         raise LookupError(f"{path}: {cls}.{', '.join(names)} read {', '.join(unknown)}, which the adapter does "

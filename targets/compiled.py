@@ -21,12 +21,12 @@ from typing import Any, Iterable
 _BUILTINS = frozenset(dir(builtins))
 
 
-def _reads(table: symtable.SymbolTable) -> set[str]:
+def names_read(table: symtable.SymbolTable) -> set[str]:
     """Global names read anywhere inside ``table`` (its functions, methods, nested scopes)."""
     out = {s.get_name() for s in table.get_symbols()
            if (s.is_global() or (s.is_free() and table.get_type() == "class")) and s.is_referenced()}
     for child in table.get_children():
-        out |= _reads(child)
+        out |= names_read(child)
     return out
 
 
@@ -55,7 +55,7 @@ def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any],
     table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(path), "exec")
     reads: set[str] = set()
     for child in table.get_children():
-        reads |= _reads(child)
+        reads |= names_read(child)
     # decorators and base classes are read at module level
     reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()} - {"annotations"}
     missing = sorted(reads - set(given) - set(wanted) - set(off_path) - _BUILTINS)

@@ -83,7 +83,8 @@ class Framework:
         value = src or os.environ.get(self.env)
         if not value:
             where = f" ({self.clone})" if self.clone else ""
-            raise BadInput(f"the {self.name} target needs a {self.title} source checkout{where}: give "
+            article = "an" if self.title[:1].lower() in "aeiou" else "a"
+            raise BadInput(f"the {self.name} target needs {article} {self.title} source checkout{where}: give "
                            f"{self.flag} DIR or set {self.env}")
         path = Path(value).expanduser().resolve()
         if not path.is_dir():
