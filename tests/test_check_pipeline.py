@@ -12,10 +12,10 @@ from shardcheck.scenarios.suites import get_suite
 
 def test_the_built_in_checks_are_listed_once_and_follow_the_asked_checks():
     names = [c.__name__ for c in CHECKS]
-    assert names == ["InputsUnchanged", "OutputForm", "ReferenceComparison", "OutputCapture"]
-    assert [type(c).__name__ for c in pipeline_for(Checks(), CHECKS).checks] == names[:3]
+    assert names == ["CollectiveTrace", "InputsUnchanged", "OutputForm", "ReferenceComparison", "OutputCapture"]
+    assert [type(c).__name__ for c in pipeline_for(Checks(), CHECKS).checks] == names[:4]
     invariance = pipeline_for(Checks(outputs=True, reference=False, inplace=False), CHECKS)
-    assert [type(c).__name__ for c in invariance.checks] == ["OutputForm", "OutputCapture"]
+    assert [type(c).__name__ for c in invariance.checks] == ["CollectiveTrace", "OutputForm", "OutputCapture"]
 
 
 def test_every_point_is_called_in_order_and_a_stop_ends_the_life():

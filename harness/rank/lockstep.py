@@ -34,8 +34,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardcheck.harness.rank import trace
+from shardcheck.harness.rank.pipeline import Check, Frame, Life, raise_payload
 from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
-from shardcheck.harness.wire import status_key
+from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key
 
 SLICE_S = 0.05  # how long a wait blocks before it looks at the peers' status
 LAST_MATCHED = 3
@@ -283,3 +285,64 @@ def _wait_cycle(start: int, statuses: dict[int, dict[str, Any]]) -> list[int] | 
         seen.add(nxt)
         path.append(nxt)
         node = nxt
+
+
+class CollectiveTrace(Check):
+    """The collective trace and, where the world has one, the lockstep check, framing the whole
+    scenario (every collective issued from ``begin`` on is traced and checked against the group's
+    peers): a divergence is ``collective_mismatch``, a peer that stopped leaves its note, a wait
+    that ran out is this rank's ``rank_error`` naming what it waited for."""
+
+    kind = COLLECTIVE_MISMATCH
+
+    def begin(self, frame: Frame) -> None:
+        if frame.lockstep is not None:
+            frame.lockstep.begin(frame.seq, frame.name)
+        trace.start(frame.lockstep.check if frame.lockstep is not None else None)
+
+    def forward(self, life: Life) -> Any:
+        # explaining: anomaly mode makes torch record each autograd node's forward stack, so a
+        # collective issued in the backward names where its node was made (see trace)
+        import contextlib
+
+        import torch
+
+        return torch.autograd.detect_anomaly(check_nan=False) if life.checks.explain else contextlib.nullcontext()
+
+    def finish(self, frame: Frame) -> None:
+        if frame.lockstep is not None:
+            frame.lockstep.finish()
+
+    def claim(self, frame: Frame, exc: BaseException) -> bool:
+        if isinstance(exc, CollectiveMismatch):
+            report = dict(exc.report)
+            message, phase = report.pop("message"), report.pop("phase")
+            if phase == "backward" and "(its forward at" not in message:
+                report[EXPLAIN] = True  # anomaly mode, on a run again, names where its node was made
+            frame.found.append(Failure(COLLECTIVE_MISMATCH, message, [frame.rank], phase=phase,
+                                       details={"at": time.time(), **report}))
+            self.abandon(frame, f"stopped on a collective mismatch in {report.get('label') or 'group'} "
+                                f"{report['group_ranks']} call {report['call']}")
+            return True
+        if isinstance(exc, PeerStopped):
+            frame.notes.append(exc.report)  # the peer's own report names the cause
+            self.abandon(frame, f"stopped: {exc}")
+            return True
+        if isinstance(exc, LockstepTimeout):  # this rank waited; the controller names who did not come
+            err = raise_payload(exc)
+            frame.found.append(Failure(RANK_ERROR, f"rank {frame.rank} stopped waiting: {exc}", [frame.rank],
+                                       details={"at": time.time(), **err, "waited_for": str(exc)}))
+            self.abandon(frame, f"raised {err['type']}: {err['message']}")
+            return True
+        return False
+
+    def abandon(self, frame: Frame, reason: str) -> None:
+        if frame.lockstep is not None:
+            try:
+                frame.lockstep.stop(reason)
+            except Exception:  # noqa: BLE001  (the store is gone: peers will time out, bounded)
+                pass
+
+    def end(self, frame: Frame) -> None:
+        frame.calls = trace.stop()
+        frame.desync = trace.backend_failed()

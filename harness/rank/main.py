@@ -201,66 +201,40 @@ class RankRunner:
         when None). The explain check is a dispatch mode on every op: it is run only to explain
         a change already found."""
         from shardcheck.harness import wire
-        from shardcheck.harness.rank import trace
-        from shardcheck.harness.rank.lockstep import CollectiveMismatch, LockstepTimeout, PeerStopped
-        from shardcheck.harness.wire import COLLECTIVE_MISMATCH, RANK_ERROR, Failure, RankResult
+        from shardcheck.harness.rank.checks import CHECKS
+        from shardcheck.harness.rank.pipeline import Frame, pipeline_for, raise_payload
+        from shardcheck.harness.wire import RANK_ERROR, Failure, RankResult
 
         t0 = time.perf_counter()
         checks = checks or wire.Checks()
-        lockstep = self.lockstep
-        if lockstep is not None:
-            lockstep.begin(seq, scenario.get("name", "?"))
-        trace.start(lockstep.check if lockstep is not None else None)
+        pipeline = pipeline_for(checks, CHECKS)
         # what the scenario has found so far: kept when a later step (the backward) fails
-        found: list[Failure] = []
+        frame = Frame(self.rank, seq, scenario.get("name", "?"), checks, self.lockstep, found=[])
         errors: dict[str, float] = {}
-        failures, described, notes, produced = found, {}, [], None
+        described, produced = {}, None
         raised = False
         self.layout = None
         reached: dict[str, Any] = {}
+        pipeline.frame("begin", frame)
         try:
             if checks.coverage:
                 from shardcheck.harness.rank.reach import measured
 
                 with measured(self.target(target), reached):
-                    described, produced = self._run(scenario, target, found, errors, checks)
+                    described, produced = self._run(scenario, target, frame.found, errors, checks, pipeline)
             else:
-                described, produced = self._run(scenario, target, found, errors, checks)
-            if lockstep is not None:
-                lockstep.finish()
-        except CollectiveMismatch as exc:
-            report = dict(exc.report)
-            message, phase = report.pop("message"), report.pop("phase")
-            if phase == "backward" and "(its forward at" not in message:
-                report[wire.EXPLAIN] = True  # anomaly mode, on a run again, names where its node was made
-            failures = found + [Failure(COLLECTIVE_MISMATCH, message, [self.rank], phase=phase,
-                                        details={"at": time.time(), **report})]
-            self._stop(f"stopped on a collective mismatch in {report.get('label') or 'group'} "
-                       f"{report['group_ranks']} call {report['call']}")
-        except PeerStopped as exc:
-            notes = [exc.report]  # the peer's own report names the cause
-            self._stop(f"stopped: {exc}")
+                described, produced = self._run(scenario, target, frame.found, errors, checks, pipeline)
+            pipeline.frame("finish", frame)
         except BaseException as exc:  # noqa: BLE001  (a crash of the target is a finding)
-            import torch
-
-            raised = True
-            from shardcheck.targets import passthrough
-
-            # where: the innermost frame outside torch (and shardcheck's pass-through wrappers),
-            # i.e. the call site in the target
-            err = wire.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
-            what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
-            # a raise names no rank: the same cause on several ranks is one failure listing them
-            details = {"at": time.time(), **err}
-            if isinstance(exc, LockstepTimeout):  # this rank waited; the controller names who did not come
-                msg = f"rank {self.rank} stopped waiting: {exc}"
-                details["waited_for"] = str(exc)
-            else:
-                msg = what
-            failures = found + [Failure(RANK_ERROR, msg, [self.rank], details=details)]
-            self._stop(what)
+            if not pipeline.claim(frame, exc):  # a check's own finding, or the target raised
+                raised = True
+                err = raise_payload(exc)
+                what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
+                # a raise names no rank: the same cause on several ranks is one failure listing them
+                frame.found.append(Failure(RANK_ERROR, what, [self.rank], details={"at": time.time(), **err}))
+                pipeline.frame("abandon", frame, what)
         finally:
-            calls = trace.stop()
+            pipeline.frame("end", frame)
         if not described and self._current in self._targets and self._current[0] == target:
             try:  # a failed run still names what it ran
                 from shardcheck.targets.base import description
@@ -270,45 +244,35 @@ class RankRunner:
                 pass
         # Without lockstep a raise may leave peers mid-collective; with it, only a failure inside
         # the backend can. The controller then restarts the world before the next scenario.
-        desync = trace.backend_failed() or (raised and lockstep is None)
+        desync = frame.desync or (raised and self.lockstep is None)
+        failures, calls = frame.found, frame.calls
         return RankResult(
-            self.rank, seq, failures, errors, time.perf_counter() - t0, described, notes, desync,
+            self.rank, seq, failures, errors, time.perf_counter() - t0, described, frame.notes, desync,
             calls=len(calls.calls) if calls is not None else 0,
             # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
-            trace=_trace_payload(calls, checks.trace_calls, bool(failures or notes), self.trace_cap),
+            trace=_trace_payload(calls, checks.trace_calls, bool(failures or frame.notes), self.trace_cap),
             # the target's outputs as raw data (only when asked for, and only when it ran through)
             outputs=produced,
             layout=self.layout,
             reached=reached or None,
         )
 
-    def _stop(self, reason: str) -> None:
-        if self.lockstep is not None:
-            try:
-                self.lockstep.stop(reason)
-            except Exception:  # noqa: BLE001  (the store is gone: peers will time out, bounded)
-                pass
-
-    def _run(self, scenario_dict: dict[str, Any], spec: str, found: list, errors: dict, checks: Checks
-             ) -> tuple[dict, dict | None]:
+    def _run(self, scenario_dict: dict[str, Any], spec: str, found: list, errors: dict, checks: Checks,
+             pipeline: Any) -> tuple[dict, dict | None]:
         """The scenario's steps; findings go into ``found`` and ``errors`` as they are made, so a
         step that raises (the backward) does not hide what the earlier ones found."""
-        import contextlib
-
         import torch
 
         from shardcheck.harness.rank import groups, shard
-        from shardcheck.harness.rank.checks import CHECKS
         from shardcheck.harness.rank.data_path import layout_for, layout_payload
         from shardcheck.harness.rank.loss import policy_gradients, share_gradients
         from shardcheck.harness.rank.model_stand_in import model_output
-        from shardcheck.harness.rank.pipeline import Life, pipeline_for
+        from shardcheck.harness.rank.pipeline import Life
         from shardcheck.scenarios import Scenario
         from shardcheck.scenarios.data import ScenarioData
         from shardcheck.targets import RankInputs, loss_form
         from shardcheck.targets.base import definitions, description
 
-        explain = checks.explain
         sc = Scenario.from_dict(scenario_dict)
         target = self.target(spec)
         groups.configure(sc.tp, sc.cp)
@@ -353,12 +317,8 @@ class RankRunner:
                     # the reference runs where the rank computes: on its GPU under nccl, in row chunks
                     reference_device=self.device if getattr(self.device, "type", "cpu") == "cuda" else None,
                     found=found, errors=errors)
-        pipeline = pipeline_for(checks, CHECKS)
         pipeline.call("inputs_made", life)
-        # explaining: anomaly mode makes torch record each autograd node's forward stack, so a
-        # collective issued in the backward names where its node was made (see trace)
-        anomaly = torch.autograd.detect_anomaly(check_nan=False) if explain else contextlib.nullcontext()
-        with pipeline.around("forward", life), anomaly:
+        with pipeline.around("forward", life):
             life.outputs = target.compute(inputs)
         life.entropy = getattr(life.outputs, "entropy", None) if sc.with_entropy else None
         pipeline.call("after_forward", life)

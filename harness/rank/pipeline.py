@@ -18,8 +18,12 @@ for. The built-in checks are listed in one place (:mod:`shardcheck.harness.rank.
 plugin or a test adds its own by naming them in ``SHARDCHECK_CHECKS`` (``module:Class``,
 comma-separated; every rank reads the controller's ``SHARDCHECK_*`` settings).
 
-What frames the life is not a check: the collective trace and the lockstep check (``main.run``)
-wrap all of it, the checks' own hooks included, so a collective issued anywhere is traced.
+The life is framed by points of its own, each given the :class:`Frame` (the scenario's number,
+the world's lockstep, what was found so far): ``begin`` (before anything of the scenario, so a
+collective issued anywhere, in a check's own hook too, is seen), ``finish`` (the life went
+through), ``claim`` (an exception a check reports itself: it returns True), ``abandon`` (the rank
+gives the scenario up, after a raise) and ``end`` (always, last). The collective trace and the
+lockstep check use them (``lockstep.CollectiveTrace``).
 """
 
 from __future__ import annotations
@@ -74,6 +78,32 @@ class Life:
         self.errors.update(worst)
 
 
+@dataclass
+class Frame:
+    """What frames one scenario on a rank, and what it found: checks read and add to it."""
+
+    rank: int
+    seq: int
+    name: str
+    checks: Checks
+    lockstep: Any  # the world's Lockstep (None: --no-lockstep)
+    found: list[Failure]
+    notes: list[dict[str, Any]] = field(default_factory=list)  # a peer's report of why this rank stopped
+    calls: Any = None  # the collective trace, once it ended
+    desync: bool = False  # the backend itself failed: the world must restart
+
+
+def raise_payload(exc: BaseException) -> dict[str, Any]:
+    """A raise as plain data, ``where`` the innermost frame outside torch and shardcheck's
+    pass-through wrappers: the call site in the target."""
+    import torch
+
+    from shardcheck.harness import wire
+    from shardcheck.targets import passthrough
+
+    return wire.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
+
+
 class Check:
     """A check: hook into the points it needs (all do nothing here). ``kind`` is the failure
     kind it reports, its only name on the controller side, which renders every kind alike."""
@@ -101,6 +131,19 @@ class Check:
 
     def result(self, life: Life) -> None: ...
 
+    # the frame
+    def begin(self, frame: Frame) -> None: ...
+
+    def finish(self, frame: Frame) -> None: ...
+
+    def claim(self, frame: Frame, exc: BaseException) -> bool:
+        """Report ``exc`` as this check's own finding (True), or leave it (False: a rank_error)."""
+        return False
+
+    def abandon(self, frame: Frame, reason: str) -> None: ...
+
+    def end(self, frame: Frame) -> None: ...
+
 
 class Pipeline:
     """The checks of one scenario, called point by point in their listed order."""
@@ -113,6 +156,13 @@ class Pipeline:
             if life.stopped:
                 return
             getattr(check, point)(life)
+
+    def frame(self, point: str, frame: Frame, *args: Any) -> None:
+        for check in self.checks:
+            getattr(check, point)(frame, *args)
+
+    def claim(self, frame: Frame, exc: BaseException) -> bool:
+        return any(check.claim(frame, exc) for check in self.checks)
 
     @contextlib.contextmanager
     def around(self, point: str, life: Life) -> Iterator[None]:
