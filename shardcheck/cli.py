@@ -323,10 +323,18 @@ def _check_world_options(args: argparse.Namespace, scenarios: list | None = None
     limits.check_nproc(args.nproc, allow_large_world=args.allow_large_world)
 
 
+def _unwritten(*reports: Any) -> str | None:
+    """The first report write that failed during the run, in one line (None: all written)."""
+    return next((r.failed for r in reports if r is not None and getattr(r, "failed", None)), None)
+
+
 def _json_report(args: argparse.Namespace, kind: Any) -> Any:
     """The command's JSON report (written at once: an unwritable path fails before any world)."""
     if not args.json_report:
         return None
+    from shardcheck.harness.controller.report_file import check_report_path
+
+    check_report_path(args.json_report, "--json-report", "the JSON report")
     try:
         return kind(args.json_report, {"suite": args.suite or args.scenario_file or "smoke"})
     except OSError as exc:
@@ -395,6 +403,10 @@ def _run(args: argparse.Namespace) -> int:
             world.close()
         if scratch is not None:
             scratch.cleanup()
+    unwritten = _unwritten(json_report if scratch is None else None, html_report)
+    if unwritten:  # the verdicts are in the table above; the file could not take them
+        print(f"shardcheck: error: {unwritten}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if result.verdicts and all(v.status == "skip" for v in result.verdicts) and not args.allow_all_skipped:
         print(f"shardcheck: nothing was checked: all {len(result.verdicts)} scenarios were skipped "
               "(--allow-all-skipped to exit 0)", file=sys.stderr)

@@ -163,3 +163,95 @@ def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- report files: nothing the user owns replaced, nothing left, a failed write said -----------------
+SKIPPED_BY_TP1 = ('{"name": "tp2", "samples": [[6, 2]], "vocab": 8, "tp": 2}')  # plants:SamplingTp1 skips it
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".") or p.suffix in (".tmp", ".old"))
+
+
+@pytest.mark.parametrize("option", ["--json-report", "--html-report"])
+def test_a_report_path_that_is_not_a_regular_file_is_refused_and_left_as_it_is(tmp_path, cli_in_process, option):
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    nodes = [fifo]
+    try:  # a full-device node of the test's own (never the machine's /dev/full), where it may make one
+        os.mknod(tmp_path / "full", 0o600 | stat.S_IFCHR, os.makedev(1, 7))
+        nodes.append(tmp_path / "full")
+    except (PermissionError, OSError):
+        pass
+    for node in nodes:
+        kind = stat.S_IFMT(os.stat(node).st_mode)
+        proc = cli_in_process("run", "--target", "builtin", option, str(node))
+        assert proc.returncode == 2 and "is not a regular file" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert stat.S_IFMT(os.stat(node).st_mode) == kind  # still the FIFO / the device
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    proc = cli_in_process("run", "--target", "builtin", "--json-report", str(directory))
+    assert proc.returncode == 2 and "is a directory" in proc.stderr
+    assert _leftovers(tmp_path) == []
+
+
+def test_two_reports_on_one_path_both_work_and_leave_nothing_beside_it(tmp_path):
+    from shardcheck.harness.controller.report import JsonReport
+    from shardcheck.harness.controller.verdict import PASS, Verdict
+
+    path = tmp_path / "r.json"
+    first, second = JsonReport(str(path), {"suite": "a"}), JsonReport(str(path), {"suite": "b"})
+    sc = Scenario("x", (Sample(6, 2),), vocab=8)
+    for report in (first, second, first, second):
+        report.add(Verdict(sc, PASS))
+    first.finish(runner.RunInfo({}, "builtin", 1, "gloo", "", True))
+    second.finish(runner.RunInfo({}, "builtin", 1, "gloo", "", True))
+    assert first.failed is None and second.failed is None
+    import json
+
+    assert json.loads(path.read_text())["suite"] == "b"  # the last to finish leaves its report
+    assert _leftovers(tmp_path) == []
+
+
+def test_both_reports_get_the_umasks_mode(tmp_path, cli_in_process):
+    from shardcheck.harness.controller.report_file import report_mode
+
+    (tmp_path / "s.json").write_text(SKIPPED_BY_TP1)
+    old = os.umask(0o027)
+    try:
+        proc = cli_in_process("run", "--target", "plants:SamplingTp1", "--scenario-file", str(tmp_path / "s.json"),
+                              "--json-report", str(tmp_path / "r.json"), "--html-report", str(tmp_path / "r.html"),
+                              "--allow-all-skipped")
+        assert proc.returncode == 0, proc.stderr
+        assert report_mode() == 0o640
+    finally:
+        os.umask(old)
+    assert {os.stat(tmp_path / n).st_mode & 0o777 for n in ("r.json", "r.html")} == {0o640}
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_report_write_that_fails_is_one_line_exit_2_and_the_run_goes_on(tmp_path, cli_in_process, monkeypatch):
+    import errno
+
+    from shardcheck.harness.controller import report
+
+    (tmp_path / "s.json").write_text(SKIPPED_BY_TP1)
+    real, calls = report._write_all, []
+
+    def disk_full(fd, parts, offset):
+        calls.append(offset)
+        if len(calls) > 1:  # the first write (before the run) goes through; the disk fills up after
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, parts, offset)
+
+    monkeypatch.setattr(report, "_write_all", disk_full)
+    proc = cli_in_process("run", "--target", "plants:SamplingTp1", "--scenario-file", str(tmp_path / "s.json"),
+                          "--json-report", str(tmp_path / "r.json"), "--allow-all-skipped")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    said = f"shardcheck: error: cannot write the JSON report {str(tmp_path / 'r.json')!r}: No space left on device"
+    assert proc.stderr.strip().splitlines()[-1] == said and proc.stderr.count("error") == 1, proc.stderr
+    assert len(calls) == 2  # after the failed write none is tried again; the run finished (exit 2 comes after it)
+    assert _leftovers(tmp_path) == []

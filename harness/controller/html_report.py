@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import html
 import json
-import os
-import tempfile
 from typing import Any
 
 from shardcheck.errors import BadInput
+from shardcheck.harness.controller.report_file import check_report_path, replace_with, write_error
 
 REQUIRED = ("scenarios",)
 _STYLE = """
@@ -387,27 +386,12 @@ def _runs(sc: Any, stream: int, start: int, stop: int) -> list[tuple[str, int, i
 
 def write(path: str, page: str) -> None:
     """Atomically: a reader sees the old page or the new one, never half of one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".shardcheck-html-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    replace_with(path, page.encode("utf-8"))
 
 
 def check_writable(path: str) -> None:
     """One line, before any world starts, when the page could not be written."""
-    folder = os.path.dirname(os.path.abspath(path)) or "."
-    if os.path.isdir(path):
-        raise BadInput(f"--html-report {path!r} is a directory")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise BadInput(f"cannot write the HTML report {path!r}: its folder does not exist or is not writable")
+    check_report_path(path, "--html-report", "the HTML report")
 
 
 def write_verdicts(path: str, doc: dict[str, Any], verdicts: list[Any], order: Any) -> None:
@@ -420,14 +404,21 @@ def write_verdicts(path: str, doc: dict[str, Any], verdicts: list[Any], order: A
 
 class HtmlReport:
     """A reporter that rewrites the page after every scenario, from the same document the JSON
-    report writes (the JSON reporter it follows)."""
+    report writes (the JSON reporter it follows). A write that fails is kept as ``failed`` (one
+    line) and the page is not written again; the run goes on."""
 
     def __init__(self, path: str, json_report: Any) -> None:
         check_writable(path)
         self.path, self.json_report = path, json_report
+        self.failed: str | None = None
 
     def _write(self) -> None:
-        write_verdicts(self.path, self.json_report.doc, self.json_report.verdicts, self.json_report.order_of)
+        if self.failed:
+            return
+        try:
+            write_verdicts(self.path, self.json_report.doc, self.json_report.verdicts, self.json_report.order_of)
+        except OSError as exc:
+            self.failed = write_error("the HTML report", self.path, exc)
 
     def start(self, info: Any, scenarios: list) -> None:
         self._write()

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 import time
 from typing import Any, TextIO
 
 from shardcheck.harness.controller.invariance import QUANTITIES, InvarianceResult
 from shardcheck.harness.controller.report import clip, show_progress
+from shardcheck.harness.controller.report_file import replace_with
 
 MAX_VIOLATIONS_SHOWN = 12
 
@@ -88,7 +88,4 @@ class InvarianceJson:
 
     def write(self, result: InvarianceResult | None) -> None:
         doc = dict(self.meta) | (result.to_dict() if result is not None else {"complete": False})
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        os.replace(tmp, self.path)
+        replace_with(self.path, json.dumps(doc, indent=1, default=str).encode())

@@ -14,6 +14,7 @@ import time
 from typing import Any, TextIO
 
 from shardcheck.harness.controller import reach_report
+from shardcheck.harness.controller.report_file import remove_quietly, temp_beside, write_error
 from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
@@ -65,14 +66,33 @@ class JsonReport:
         self._size = 0  # of the file
         self._fd: int | None = None  # the report
         self._spare: int | None = None  # its previous version, beside it (see _replace)
-        self._rewrite()  # fail early (unwritable path) and leave a file even if nothing finishes
+        # beside the report, unique to this run: two runs on one path never meet
+        self._spare_name, self._old_name = temp_beside(path, "tmp"), temp_beside(path, "old")
+        self.failed: str | None = None  # a write that failed, in one line: later writes are not tried
+        try:
+            self._rewrite()  # fail early (unwritable path) and leave a file even if nothing finishes
+        except BaseException:
+            self._close()
+            raise
 
     def start(self, info: RunInfo, scenarios: list[Scenario]) -> None:
         self.doc.update(info.to_dict())
         self.doc["planned"] = len(scenarios)
         self.order = suite_order(scenarios)
         self._rank()
-        self._rewrite()
+        self._guarded(self._rewrite)
+
+    def _guarded(self, write: Any, *args: Any) -> None:
+        """A write into the file; one that fails (a full disk) is kept as ``failed`` in one line,
+        the document stays whole in memory and the run goes on (its terminal table has every
+        verdict); the command then exits 2 saying so."""
+        if self.failed:
+            return
+        try:
+            write(*args)
+        except OSError as exc:
+            self.failed = write_error("the JSON report", self.path, exc)
+            self._close()
 
     def add(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)
@@ -80,6 +100,9 @@ class JsonReport:
         if verdict.status in (PASS, FAIL, SKIP):
             summary[verdict.status] += 1
         summary["total"] += 1
+        self._guarded(self._place, verdict)
+
+    def _place(self, verdict: Verdict) -> None:
         place = self.order_of(verdict)
         at = bisect.bisect_right(self._places, place)  # after those of its place that came before it
         self._places.insert(at, place)
@@ -106,12 +129,8 @@ class JsonReport:
         self.doc.update(info.to_dict())
         self.doc["complete"] = len(self.verdicts) == self.doc.get("planned", len(self.verdicts))
         self._rank(reserialize=True)  # every verdict as it is now, not as it came (once a run)
-        self._rewrite()
+        self._guarded(self._rewrite)
         self._close()
-        try:
-            os.unlink(f"{self.path}.tmp")
-        except OSError:
-            pass
 
     def order_of(self, v: Verdict) -> int:
         return self.order.get(id(v.scenario), len(self.order))
@@ -149,7 +168,7 @@ class JsonReport:
         report's previous version is kept as the next spare, through a second link made before
         the rename, so that the next replacement overwrites its pages instead of freeing them and
         allocating new ones (at a few MB, most of the cost); without hard links it is let go."""
-        spare, old_name = f"{self.path}.tmp", f"{self.path}.old"
+        spare, old_name = self._spare_name, self._old_name
         if self._spare is None:
             self._spare = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         _write_all(self._spare, parts, 0)
@@ -171,6 +190,7 @@ class JsonReport:
             os.close(previous)
 
     def _close(self) -> None:
+        """Close the file and remove the spare and any half-made link beside it."""
         for fd in (self._fd, self._spare):
             if fd is not None:
                 try:
@@ -178,9 +198,11 @@ class JsonReport:
                 except OSError:
                     pass
         self._fd = self._spare = None
+        remove_quietly(self._spare_name)
+        remove_quietly(self._old_name)
 
     def __del__(self) -> None:
-        if hasattr(self, "_spare"):
+        if hasattr(self, "_old_name"):
             self._close()
 
 

@@ -1,0 +1,80 @@
+"""Where a report is written: the path checked before any world starts, temporary files unique to
+this process and always removed, one file mode for every report (the umask's), and a write that
+fails said in one line.
+
+A report path that exists must be a regular file: a device, a FIFO or a socket is refused rather
+than replaced by the atomic rename (``--json-report /dev/full`` once turned the device node into
+a plain file). Two runs given the same path each work: their temporary files do not meet, and the
+last to finish leaves its report.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+
+from shardcheck.errors import BadInput
+
+
+def check_report_path(path: str, option: str, what: str) -> None:
+    """BadInput (one line) unless ``path`` can take a report (``what``, given by ``option``): a
+    regular file or nothing yet, in a folder that exists and can be written."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise BadInput(f"{option} {path!r}: {exc.strerror}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise BadInput(f"{option} {path!r} is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise BadInput(f"{option} {path!r} is not a regular file (a device, FIFO or socket): give a file's path")
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise BadInput(f"cannot write {what} {path!r}: its folder does not exist or is not writable")
+
+
+def temp_beside(path: str, tag: str) -> str:
+    """A temporary file's name in ``path``'s folder (so that a rename onto ``path`` is atomic),
+    unique to this process and call."""
+    folder, base = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.{tag}")
+
+
+def report_mode() -> int:
+    """The mode a new report gets: 0666 less the umask, as any file the user makes."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def replace_with(path: str, data: bytes) -> None:
+    """``data`` as the whole of ``path``, atomically (a reader sees the old file or the new one);
+    the temporary file is removed whatever happens."""
+    tmp = temp_beside(path, "tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, report_mode())
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        remove_quietly(tmp)
+
+
+def remove_quietly(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def write_error(option: str, path: str, exc: OSError) -> str:
+    """The one line a failed report write is said in."""
+    return f"cannot write {option} {path!r}: {exc.strerror or exc}"
