@@ -139,20 +139,41 @@ def test_the_world_start_is_shown_while_it_happens():
 
 
 # -- nothing outlives the controller -----------------------------------------------------------------
-@pytest.mark.parametrize("when", [1, 4])
+@pytest.mark.parametrize("when", [1, 4, "mid-run"])
 def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
-    """Killed as soon as ``when`` processes are below it: 1, the fork server still importing
-    torch; 4, ranks forked and joining the world."""
-    env = dict(os.environ, PYTHONPATH=str(TESTS), TMPDIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "--suite", "smoke", "-q"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Killed as soon as ``when`` processes are below it (1, the fork server still importing
+    torch; 4, ranks forked and joining the world) or once a scenario is in its report: no
+    process outlives it, and what its folders and report files held is removed by the next run
+    (each is named after the controller that made it)."""
+    from shardcheck.harness.controller import leftovers
+    from shardcheck.harness.controller.report_file import sweep_beside
+
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    # a short TMPDIR: the fork server's socket lives in the run's own folder there (a Unix
+    # socket's path is short; under a longer TMPDIR multiprocessing keeps its own folder name)
+    tmp = Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
+    request_cleanup = lambda: shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731
+    env = dict(os.environ, PYTHONPATH=str(TESTS), TMPDIR=str(tmp))
+    report = tmp_path / "out" / "r.json"
+    report.parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "--suite", "smoke", "-q", "--json-report",
+                             str(report)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen: set[int] = set()
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and len(seen) < when:
+
+        def started() -> bool:
+            if when == "mid-run":
+                return report.exists() and '"verdict"' in report.read_text()
+            return len(seen) >= when
+
+        while time.time() < deadline and not started():
             seen |= descendants(proc.pid)
             time.sleep(0.01)
-        assert len(seen) >= when, "the world did not start"
+        assert started(), "the world did not start"
         proc.kill()
         proc.wait(timeout=10)
         seen |= descendants(proc.pid)
@@ -160,9 +181,15 @@ def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
         while time.time() < deadline and any(alive(p) for p in seen):
             time.sleep(0.1)
         assert not [p for p in seen if alive(p)], "processes outlived the controller"
+        leftovers.sweep(str(tmp))  # what the next run does before it starts a world
+        sweep_beside(str(report))  # ... and a report's writer beside its path
+        assert [p.name for p in tmp.iterdir() if p.name.startswith(("shardcheck-", "pymp-"))] == [], \
+            "a folder outlived the controller"
+        assert [p.name for p in report.parent.iterdir()] in ([], ["r.json"])
     finally:
         if proc.poll() is None:
             proc.kill()
+        request_cleanup()
 
 
 # -- report files: nothing the user owns replaced, nothing left, a failed write said -----------------

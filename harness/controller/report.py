@@ -14,7 +14,7 @@ import time
 from typing import Any, TextIO
 
 from shardcheck.harness.controller import reach_report
-from shardcheck.harness.controller.report_file import remove_quietly, temp_beside, write_error
+from shardcheck.harness.controller.report_file import remove_quietly, sweep_beside, temp_beside, write_error
 from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
@@ -67,6 +67,7 @@ class JsonReport:
         self._fd: int | None = None  # the report
         self._spare: int | None = None  # its previous version, beside it (see _replace)
         # beside the report, unique to this run: two runs on one path never meet
+        sweep_beside(path)  # a killed run's
         self._spare_name, self._old_name = temp_beside(path, "tmp"), temp_beside(path, "old")
         self.failed: str | None = None  # a write that failed, in one line: later writes are not tried
         try:

@@ -15,6 +15,7 @@ import secrets
 import stat
 
 from shardcheck.errors import BadInput
+from shardcheck.harness.controller.leftovers import alive
 
 
 def check_report_path(path: str, option: str, what: str) -> None:
@@ -41,6 +42,20 @@ def temp_beside(path: str, tag: str) -> str:
     unique to this process and call."""
     folder, base = os.path.split(os.path.abspath(path))
     return os.path.join(folder, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.{tag}")
+
+
+def sweep_beside(path: str) -> None:
+    """Remove the temporary files of runs on ``path`` whose process is gone (killed mid-write)."""
+    folder, base = os.path.split(os.path.abspath(path))
+    prefix = f".{base}."
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        parts = name[len(prefix):].split(".") if name.startswith(prefix) else []
+        if len(parts) == 3 and parts[0].isdigit() and parts[2] in ("tmp", "old") and not alive(int(parts[0])):
+            remove_quietly(os.path.join(folder, name))
 
 
 def report_mode() -> int:

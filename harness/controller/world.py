@@ -24,7 +24,7 @@ from typing import Any
 
 from shardcheck.errors import WorldError
 from shardcheck.harness import wire
-from shardcheck.harness.controller import memory
+from shardcheck.harness.controller import leftovers, memory
 from shardcheck.harness.rank.main import rank_main
 from shardcheck.harness.wire import Checks, Failure, RankResult
 
@@ -76,7 +76,8 @@ class SpawnedWorld:
         t0 = time.perf_counter()
         self.generation += 1
         self._say_starting(None)
-        self._dir = tempfile.TemporaryDirectory(prefix="shardcheck-world-")
+        leftovers.sweep()  # the folders of runs killed before they could clean up
+        self._dir = tempfile.TemporaryDirectory(prefix=f"shardcheck-world-{os.getpid()}-")
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.start_timeout))
         env = _rank_environment()
@@ -414,6 +415,8 @@ def _start_context(backend: str, env: dict[str, str], fork_server: bool) -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     from multiprocessing import forkserver
+
+    leftovers.multiprocessing_folder()  # where the server listens: named after this run
 
     # Both only matter when the server starts (once per controller process).
     ctx.set_forkserver_preload(["shardcheck.harness.rank.preload"])
