@@ -276,8 +276,10 @@ def validate(s: Scenario) -> None:
     for i, smp in enumerate(s.samples):
         if not (_is_int(smp.total) and _is_int(smp.response)):
             raise bad(f"sample {i}: lengths must be integers, got [{smp.total!r}, {smp.response!r}]")
+        if smp.total < 2:  # a prompt token and a response token at least
+            raise bad(f"sample {i}: total length {smp.total} must be at least 2 (a prompt token and a response token)")
         if smp.response < 1:
-            raise bad(f"sample {i}: response length {smp.response} < 1")
+            raise bad(f"sample {i}: response length {smp.response} must be at least 1")
         if smp.data_id is not None and not (_is_int(smp.data_id) and smp.data_id >= 0):
             raise bad(f"sample {i}: data_id must be an integer >= 0, got {smp.data_id!r}")
         if smp.response > smp.total - 1:

@@ -43,11 +43,16 @@ def load_scenario_file(path: str | Path) -> list[Scenario]:
     if not items:
         raise BadInput(f"scenario file {str(p)!r} holds no scenario")
     scenarios = []
+    first: dict[str, int] = {}  # name -> the entry that first has it
     for i, item in enumerate(items):
         try:
-            scenarios.append(Scenario.from_dict(item))
+            sc = Scenario.from_dict(item)
         except BadInput as exc:
             raise BadInput(f"scenario file {str(p)!r}, entry {i}: {exc}") from None
+        if sc.name in first:  # --scenario, the reports and a replay name a scenario by it
+            raise BadInput(f"scenario file {str(p)!r}: entries {first[sc.name]} and {i} are both named {sc.name!r}")
+        first[sc.name] = i
+        scenarios.append(sc)
     return scenarios
 
 

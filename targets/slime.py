@@ -107,12 +107,12 @@ class SlimeTarget(CheckoutTarget):
         self.capabilities = Capabilities(
             layouts=frozenset(layouts), entropy=True, dtypes=frozenset({"float32"}),
             replay_keep=bool(self.era.get("top_p_replay")) and self.passes_keep_sets(),
-            reasons=(("layout", f"slime at {(self.commit or '?')[:10]} has no such layout "
+            reasons=(("layout", f"slime at {self.short()} has no such layout "
                                 f"(supports {', '.join(sorted(layouts))})"),
                      ("dtype", "slime asserts float32 logits"),
-                     ("replay_keep", f"slime at {(self.commit or '?')[:10]} takes no top-p replay"
+                     ("replay_keep", f"slime at {self.short()} takes no top-p replay"
                       if not self.era.get("top_p_replay") else
-                      f"slime at {(self.commit or '?')[:10]}: this entry point passes no top-p replay on")),
+                      f"slime at {self.short()}: this entry point passes no top-p replay on")),
         )
         self._fn: Any = None
         self.missing_args: set[str] = set()

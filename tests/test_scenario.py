@@ -28,7 +28,9 @@ def test_key_is_content_not_name():
     "kw,fragment",
     [
         (dict(samples=[[5, 5]]), "response length 5 > total length 5 - 1"),
-        (dict(samples=[[5, 0]]), "response length 0 < 1"),
+        (dict(samples=[[5, 0]]), "response length 0 must be at least 1"),
+        (dict(samples=[[-5, 2]]), "sample 0: total length -5 must be at least 2 (a prompt token and a response token)"),
+        (dict(samples=[[1, 1]]), "total length 1 must be at least 2"),
         (dict(samples=[]), "at least one sample"),
         (dict(samples=[[5]]), "must be [total, response]"),
         (dict(samples=[[5.5, 2]]), "must be integers"),
@@ -81,3 +83,18 @@ def test_unknown_suite():
 
 def test_sample_prompt():
     assert Sample(10, 4).prompt == 6
+
+
+def test_a_scenario_file_with_two_scenarios_of_one_name_is_refused_naming_both(tmp_path):
+    """--scenario, the reports and a replay name a scenario by its name: two of one name would
+    have one of them run silently, and reports could not tell them apart."""
+    import json
+
+    from shardcheck.scenarios.suites import load_scenario_file
+
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps([{"name": "a", "samples": [[5, 2]], "vocab": 8},
+                             {"name": "b", "samples": [[5, 2]], "vocab": 8},
+                             {"name": "a", "samples": [[6, 2]], "vocab": 8}]))
+    with pytest.raises(BadInput, match=r"entries 0 and 2 are both named 'a'"):
+        load_scenario_file(f)

@@ -41,6 +41,24 @@ def test_era_of_an_old_checkout(tmp_path):
     assert era["entropy_grad_flag"] == "need_entropy_grad"
 
 
+def test_a_checkout_without_git_is_named_by_its_folder_in_skip_reasons(tmp_path, monkeypatch):
+    from shardcheck.targets.base import TargetConfig
+    from shardcheck.targets.slime import target
+
+    monkeypatch.delenv("SHARDCHECK_SLIME_COMMIT", raising=False)
+    monkeypatch.delenv("SHARDCHECK_TARGET_COMMIT", raising=False)
+    src = _fake_checkout(tmp_path / "slime-export", """
+        def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
+                                      with_entropy=False, non_loss_data=True):
+            return {"log_probs": []}
+        """)
+    slime = target(config=TargetConfig(str(src), (("layout", "shardcheck"),)))
+    bshd = next(s for s in get_suite("smoke") if s.layout == "bshd")
+    reason = slime.capabilities.skip_reason(bshd)
+    assert "slime at slime-export has no such layout" in reason and "?" not in reason, reason
+    assert slime.describe()["version"].startswith("checkout ")
+
+
 def test_era_of_a_new_checkout(tmp_path):
     src = _fake_checkout(tmp_path, """
         def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
