@@ -282,3 +282,24 @@ def test_a_report_write_that_fails_is_one_line_exit_2_and_the_run_goes_on(tmp_pa
     assert proc.stderr.strip().splitlines()[-1] == said and proc.stderr.count("error") == 1, proc.stderr
     assert len(calls) == 2  # after the failed write none is tried again; the run finished (exit 2 comes after it)
     assert _leftovers(tmp_path) == []
+
+
+def test_hidden_and_reordering_characters_in_names_are_shown_escaped(tmp_path, cli_in_process):
+    """A name ending in 'gnp.exe' after a right-to-left override reads 'exe.png' when printed raw;
+    it is shown as what it is, in the terminal and the HTML page, and the columns stay aligned."""
+    import json
+
+    name = "x\u202egnp.exe"
+    (tmp_path / "s.json").write_text(json.dumps({"name": name, "samples": [[6, 2]], "vocab": 8, "tp": 2}))
+    proc = cli_in_process("run", "--target", "plants:SamplingTp1", "--scenario-file", str(tmp_path / "s.json"),
+                          "--html-report", str(tmp_path / "r.html"), "--allow-all-skipped")
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert "\u202e" not in page and "x\\u202egnp.exe" in page
+    from shardcheck.harness.controller.report import render_table, visible
+    from shardcheck.harness.controller.verdict import SKIP, Verdict
+
+    assert visible(name) == "x\\u202egnp.exe" and visible("a\tb\nc") == "a\tb\nc"
+    table = render_table([Verdict(Scenario(name, (Sample(6, 2),), vocab=8), SKIP, reason="r")],
+                         runner.RunInfo({}, "builtin", 1, "gloo", "", True))
+    assert "\u202e" not in table and "x\\u202egnp.exe" in table

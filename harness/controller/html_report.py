@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from shardcheck.errors import BadInput
+from shardcheck.harness.controller.report import visible
 from shardcheck.harness.controller.report_file import check_report_path, replace_with, write_error
 
 REQUIRED = ("scenarios",)
@@ -57,7 +58,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value))
+    return html.escape(visible(value))
 
 
 def _reach(coverage: dict[str, Any] | None) -> list[str]:

@@ -9,6 +9,7 @@ import bisect
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from typing import Any, TextIO
@@ -20,6 +21,17 @@ from shardcheck.scenarios.scenario import Scenario
 
 MAX_FAILURES_SHOWN = 8
 MAX_OUTPUT_SHOWN = 12  # distinct lines the ranks printed, shown under the table
+
+
+# Control characters and the invisible ones that reorder or hide text (bidirectional overrides
+# and isolates, zero-width marks): a scenario named "x\u202egnp.exe" must not read "xexe.png".
+_HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def visible(text: Any) -> str:
+    """``text`` as a person is shown it: each hidden or reordering character as a ``\\uXXXX``
+    escape (tab and newline kept), so what is read is what is there."""
+    return _HIDDEN.sub(lambda m: f"\\u{ord(m.group()):04x}", str(text))
 
 
 def _counts(verdicts: list[Verdict]) -> dict[str, int]:
@@ -271,7 +283,7 @@ class TerminalReport:
             return
         c = _counts(self.verdicts)
         line = (f"[{len(self.verdicts):>{len(str(self.total))}}/{self.total}] {time.perf_counter() - self.t0:6.1f}s "
-                f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {verdict.scenario.name}")
+                f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {visible(verdict.scenario.name)}")
         show_progress(self.err, line, self.live)
 
     def world_starting(self, what: str, seconds: float) -> None:
@@ -302,7 +314,7 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
     rows = [("scenario", "layout", "tp", "cp", "verdict", "time", "detail")]
     for v in verdicts:
         sc = v.scenario
-        rows.append((sc.name, sc.layout, str(sc.tp), str(sc.cp), v.status.upper() if v.status == FAIL else v.status,
+        rows.append((visible(sc.name), sc.layout, str(sc.tp), str(sc.cp), v.status.upper() if v.status == FAIL else v.status,
                      f"{v.seconds:.2f}s" if v.status != SKIP else "-", clip(v.headline(), 90)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
@@ -368,7 +380,7 @@ def layout_line(verdicts: list[Verdict]) -> str | None:
 
 def render_failure(v: Verdict) -> str:
     """A failed scenario's findings, the first line naming the scenario and its layout."""
-    lines = [f"FAILED {v.scenario.name}  ({v.scenario.summary()})"]
+    lines = [f"FAILED {visible(v.scenario.name)}  ({visible(v.scenario.summary())})"]
     for f in v.failures[:MAX_FAILURES_SHOWN]:
         phase = f" in {f.phase}" if f.phase else ""
         lines.append(f"  {f.kind}{phase} [ranks {rank_list(f.ranks)}]: {f.message}")
