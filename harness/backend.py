@@ -9,6 +9,7 @@ a CP world of code that needs CUDA tensors (NeMo-RL's CP backward) on a machine 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -75,3 +76,36 @@ def requested_backend() -> str:
 
 
 BACKEND_ENV = "SHARDCHECK_BACKEND"
+
+
+def gloo_safe_all_gather(tensor: Any, group: Any = None) -> tuple[Any, ...]:
+    """torch.distributed.nn.functional.all_gather's contract (forward: all-gather; backward:
+    reduce-scatter of the gradients, SUM), with a backward gloo runs on any subgroup. torch's own
+    backward on gloo scatters with the group rank as a global ``src`` and fails on any group other
+    than global ranks 0..n-1 (a CP group at tp > 1): a fault of the world, not of the code under test,
+    which an adapter may route around only when asked (docs/world.md)."""
+    return _gloo_safe_all_gather_class().apply(group, tensor)
+
+
+@functools.cache  # torch is imported when a rank first gathers, not with this module
+def _gloo_safe_all_gather_class() -> Any:
+    import torch
+    import torch.distributed as dist
+
+    class GlooSafeAllGather(torch.autograd.Function):
+        """Backward: the gradients stacked, all-reduced, this rank's slice kept."""
+
+        @staticmethod
+        def forward(ctx: Any, group: Any, tensor: Any) -> tuple[Any, ...]:
+            ctx.group, ctx.rank = group, dist.get_rank(group)
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            return tuple(parts)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple[None, Any]:
+            summed = torch.stack([g.contiguous() for g in grads])
+            dist.all_reduce(summed, group=ctx.group)
+            return None, summed[ctx.rank]
+
+    return GlooSafeAllGather

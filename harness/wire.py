@@ -49,6 +49,22 @@ def die_with_parent() -> None:
 SETTINGS_PREFIX = "SHARDCHECK_"
 
 
+def process_alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie: a killed controller its own parent has not reaped yet
+    is gone for its ranks and for the next run's sweep alike. One of another user counts."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)  # no /proc (not Linux): existence is all there is to know
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
 def target_settings() -> dict[str, str]:
     """The controller's settings of a target as they are now (a checkout, ``--target-opt``s):
     sent with each run, so a world started before they changed runs what the controller means."""

@@ -200,5 +200,11 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
         from shardcheck.harness.controller.html_report import SessionHtmlReport
 
         report = SessionHtmlReport(path)
-        request.addfinalizer(report.close)
+
+        def close() -> None:
+            report.close()
+            if report.failed:  # the tests' own outcomes stand; the page is what could not be kept
+                pytest.exit(f"shardcheck: {report.failed}", returncode=2)
+
+        request.addfinalizer(close)
     return ShardcheckSession(world, target, report)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardcheck.harness.backend import gloo_safe_all_gather
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout, positive_int_or_none
 from shardcheck.targets.compiled import names_read, compile_alone
@@ -291,28 +292,8 @@ class ArealDataPath:
         self._fns = None
 
 
-class _GlooSafeAllGather(torch.autograd.Function):
-    """torch.distributed.nn.functional.all_gather's contract (forward: all-gather; backward:
-    reduce-scatter of the gradients, SUM), with a backward gloo runs on any subgroup: the
-    gradients stacked, all-reduced, this rank's slice kept. torch's own backward on gloo scatters
-    with the group rank as a global ``src`` and fails on a group other than global ranks 0..n-1."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.rank = group, dist.get_rank(group)
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return tuple(parts)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, torch.Tensor]:
-        summed = torch.stack([g.contiguous() for g in grads])
-        dist.all_reduce(summed, group=ctx.group)
-        return None, summed[ctx.rank]
-
-
-GLOO_SAFE_DIST_F = types.SimpleNamespace(
-    all_gather=lambda tensor, group=None: _GlooSafeAllGather.apply(group, tensor))
+# what reassemble_cp_packed_logprobs reads of torch.distributed.nn.functional, gloo-safe (cp_all_gather=shardcheck)
+GLOO_SAFE_DIST_F = types.SimpleNamespace(all_gather=gloo_safe_all_gather)
 
 
 def _one_step_per_micro_batch(*, forward_step_func: Callable[..., Any], data_iterator: Any, model: Any,

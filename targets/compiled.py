@@ -65,3 +65,18 @@ def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any],
                                  **{n: _not_loaded(n, path) for n in off_path}, **given}
     exec(code, namespace)  # noqa: S102 - the framework's own definitions, from its file
     return namespace
+
+
+def with_newer_fields(cls: type, newer: list[str]) -> type:
+    """``cls`` taking, besides its own fields, keywords a newer release of it has (kept as plain
+    attributes): the installed megatron-core's PackedSeqParams, handed what a framework written
+    against a newer one passes. The framework's code then runs unchanged; its report says which."""
+    if not newer:
+        return cls
+
+    def __init__(self: Any, **kwargs: Any) -> None:
+        kept = {k: kwargs.pop(k) for k in newer if k in kwargs}
+        cls.__init__(self, **kwargs)
+        vars(self).update(kept)
+
+    return type(f"{cls.__name__}WithNewerFields", (cls,), {"__init__": __init__, "__doc__": cls.__doc__})

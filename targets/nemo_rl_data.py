@@ -29,7 +29,7 @@ import torch
 
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout, positive_int, positive_int_or_none
-from shardcheck.targets.compiled import compile_alone
+from shardcheck.targets.compiled import compile_alone, with_newer_fields
 
 DATA_FILE = Path("nemo_rl/models/megatron/data.py")
 COMMON_FILE = Path("nemo_rl/models/megatron/common.py")
@@ -120,13 +120,7 @@ class NemoRLDataPath:
         if not missing:
             return PackedSeqParams, []
 
-        class NewerPackedSeqParams(PackedSeqParams):  # the fields this megatron-core lacks, kept as attributes
-            def __init__(self, **kwargs: Any) -> None:
-                extra = {k: kwargs.pop(k) for k in missing if k in kwargs}
-                super().__init__(**kwargs)
-                self.__dict__.update(extra)
-
-        return NewerPackedSeqParams, missing
+        return with_newer_fields(PackedSeqParams, missing), missing
 
     def _function(self) -> Any:
         if self._pack is None:

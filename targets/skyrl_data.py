@@ -37,7 +37,7 @@ import torch
 
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout
-from shardcheck.targets.compiled import compile_alone
+from shardcheck.targets.compiled import compile_alone, with_newer_fields
 
 MEGATRON = Path("skyrl/backends/skyrl_train/distributed/megatron")
 MEGATRON_UTILS = MEGATRON / "megatron_utils.py"
@@ -70,20 +70,6 @@ def keywords_passed(fn: ast.AST, callee: str) -> set[str]:
     """The keyword arguments ``fn``'s body passes to calls of ``callee`` (by its plain name)."""
     return {k.arg for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
             and n.func.id == callee for k in n.keywords if k.arg}
-
-
-def with_newer_fields(cls: type, newer: list[str]) -> type:
-    """``cls`` taking, besides its own fields, keywords a newer release of it has (kept as plain
-    attributes): the installed megatron-core's PackedSeqParams, handed what a newer SkyRL passes."""
-    if not newer:
-        return cls
-
-    def __init__(self: Any, **kwargs: Any) -> None:
-        kept = {k: kwargs.pop(k) for k in newer if k in kwargs}
-        cls.__init__(self, **kwargs)
-        vars(self).update(kept)
-
-    return type(f"{cls.__name__}WithNewerFields", (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
 
 
 def _bool(value: Any) -> str | None:

@@ -284,6 +284,25 @@ def test_a_report_write_that_fails_is_one_line_exit_2_and_the_run_goes_on(tmp_pa
     assert _leftovers(tmp_path) == []
 
 
+def test_a_session_page_whose_write_fails_keeps_one_line_and_tries_no_more(tmp_path, monkeypatch):
+    import errno
+
+    from shardcheck.harness.controller import html_report
+
+    calls = []
+
+    def disk_full(path, *args):
+        calls.append(path)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(html_report, "write_verdicts", disk_full)
+    page = html_report.SessionHtmlReport(str(tmp_path / "p.html"))
+    page.close()
+    page.close()
+    assert page.failed == f"cannot write the HTML report {str(tmp_path / 'p.html')!r}: No space left on device"
+    assert len(calls) == 1
+
+
 def test_hidden_and_reordering_characters_in_names_are_shown_escaped(tmp_path, cli_in_process):
     """A name ending in 'gnp.exe' after a right-to-left override reads 'exe.png' when printed raw;
     it is shown as what it is, in the terminal and the HTML page, and the columns stay aligned."""

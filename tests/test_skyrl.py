@@ -20,7 +20,8 @@ from shardcheck.targets import skyrl
 from shardcheck.targets.base import OPTS_ENV, TargetConfig
 from shardcheck.targets.checkout import Checkout
 from shardcheck.targets.skyrl import ENV, FRAMEWORK, MODULE, detect_era, target
-from shardcheck.targets.skyrl_data import ALLGATHER_WHY, SkyRLDataPath, with_newer_fields
+from shardcheck.targets.compiled import with_newer_fields
+from shardcheck.targets.skyrl_data import ALLGATHER_WHY, SkyRLDataPath
 
 SKYRL_SRC = os.environ.get(ENV)
 needs_skyrl = pytest.mark.skipif(not SKYRL_SRC, reason=f"{ENV} is not set: no SkyRL checkout to check (clone "

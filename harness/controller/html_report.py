@@ -19,7 +19,7 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller.report import visible
-from shardcheck.harness.controller.report_file import check_report_path, replace_with, write_error
+from shardcheck.harness.controller.report_file import GuardedWrites, check_report_path, replace_with
 
 REQUIRED = ("scenarios",)
 _STYLE = """
@@ -411,15 +411,15 @@ class HtmlReport:
     def __init__(self, path: str, json_report: Any) -> None:
         check_writable(path)
         self.path, self.json_report = path, json_report
-        self.failed: str | None = None
+        self.guard = GuardedWrites("the HTML report", path)
+
+    @property
+    def failed(self) -> str | None:
+        return self.guard.failed
 
     def _write(self) -> None:
-        if self.failed:
-            return
-        try:
-            write_verdicts(self.path, self.json_report.doc, self.json_report.verdicts, self.json_report.order_of)
-        except OSError as exc:
-            self.failed = write_error("the HTML report", self.path, exc)
+        self.guard(write_verdicts, self.path, self.json_report.doc, self.json_report.verdicts,
+                   self.json_report.order_of)
 
     def start(self, info: Any, scenarios: list) -> None:
         self._write()
@@ -449,11 +449,13 @@ def fuzz_page(result: Any) -> str:
 
 class SessionHtmlReport:
     """One page for every scenario a pytest session checks (``--shardcheck-html-report``): each
-    check is a run of its own, the page gathers their verdicts in the order they came."""
+    check is a run of its own, the page gathers their verdicts in the order they came. A write
+    that fails is kept as ``failed`` (one line, said when the session ends) and not tried again."""
 
     def __init__(self, path: str) -> None:
         check_writable(path)
         self.path = path
+        self.guard = GuardedWrites("the HTML report", path)
         self.doc: dict[str, Any] = {"suite": "pytest session", "complete": False}
         self.verdicts: list[Any] = []
 
@@ -475,4 +477,8 @@ class SessionHtmlReport:
     def _write(self) -> None:
         statuses = [v.status for v in self.verdicts]
         self.doc["summary"] = {k: statuses.count(k) for k in ("pass", "fail", "skip")} | {"total": len(statuses)}
-        write_verdicts(self.path, self.doc, self.verdicts, lambda v: 0)  # in the order they came
+        self.guard(write_verdicts, self.path, self.doc, self.verdicts, lambda v: 0)  # in the order they came
+
+    @property
+    def failed(self) -> str | None:
+        return self.guard.failed

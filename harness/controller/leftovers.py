@@ -14,6 +14,8 @@ import re
 import shutil
 import tempfile
 
+from shardcheck.harness.wire import process_alive
+
 _OWNED = re.compile(r"^shardcheck-(world|mp)-(\d+)-")
 # A Unix socket's path holds at most 107 bytes; the fork server's is this folder, "/listener-"
 # and 8 random characters (a longer TMPDIR keeps multiprocessing's own, shorter, folder name)
@@ -50,7 +52,7 @@ def sweep(root: str | None = None) -> list[str]:
         return removed
     for name in names:
         m = _OWNED.match(name)
-        if m is None or alive(int(m.group(2))):
+        if m is None or process_alive(int(m.group(2))):
             continue
         path = os.path.join(root, name)
         try:
@@ -61,14 +63,3 @@ def sweep(root: str | None = None) -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(name)
     return removed
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

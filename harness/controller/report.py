@@ -15,7 +15,7 @@ import time
 from typing import Any, TextIO
 
 from shardcheck.harness.controller import reach_report
-from shardcheck.harness.controller.report_file import remove_quietly, sweep_beside, temp_beside, write_error
+from shardcheck.harness.controller.report_file import GuardedWrites, remove_quietly, sweep_beside, temp_beside
 from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
@@ -81,7 +81,7 @@ class JsonReport:
         # beside the report, unique to this run: two runs on one path never meet
         sweep_beside(path)  # a killed run's
         self._spare_name, self._old_name = temp_beside(path, "tmp"), temp_beside(path, "old")
-        self.failed: str | None = None  # a write that failed, in one line: later writes are not tried
+        self.guard = GuardedWrites("the JSON report", path)  # a write that failed: later ones are not tried
         try:
             self._rewrite()  # fail early (unwritable path) and leave a file even if nothing finishes
         except BaseException:
@@ -96,16 +96,14 @@ class JsonReport:
         self._guarded(self._rewrite)
 
     def _guarded(self, write: Any, *args: Any) -> None:
-        """A write into the file; one that fails (a full disk) is kept as ``failed`` in one line,
-        the document stays whole in memory and the run goes on (its terminal table has every
-        verdict); the command then exits 2 saying so."""
-        if self.failed:
-            return
-        try:
-            write(*args)
-        except OSError as exc:
-            self.failed = write_error("the JSON report", self.path, exc)
+        """A write into the file (GuardedWrites); after one fails the file is closed, the
+        document stays whole in memory."""
+        if not self.guard(write, *args):
             self._close()
+
+    @property
+    def failed(self) -> str | None:
+        return self.guard.failed
 
     def add(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from typing import Any, Callable
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller.leftovers import alive
+from shardcheck.harness.wire import process_alive
 
 
 def check_report_path(path: str, option: str, what: str) -> None:
@@ -54,7 +55,7 @@ def sweep_beside(path: str) -> None:
         return
     for name in names:
         parts = name[len(prefix):].split(".") if name.startswith(prefix) else []
-        if len(parts) == 3 and parts[0].isdigit() and parts[2] in ("tmp", "old") and not alive(int(parts[0])):
+        if len(parts) == 3 and parts[0].isdigit() and parts[2] in ("tmp", "old") and not process_alive(int(parts[0])):
             remove_quietly(os.path.join(folder, name))
 
 
@@ -93,3 +94,24 @@ def remove_quietly(path: str | None) -> None:
 def write_error(option: str, path: str, exc: OSError) -> str:
     """The one line a failed report write is said in."""
     return f"cannot write {option} {path!r}: {exc.strerror or exc}"
+
+
+class GuardedWrites:
+    """A report's writes: the first that fails (a full disk) is kept as ``failed``, in one line,
+    and no later write is tried; the run goes on (what it found is still in memory and on the
+    terminal) and the command then exits 2 saying so."""
+
+    def __init__(self, what: str, path: str) -> None:
+        self.what, self.path = what, path
+        self.failed: str | None = None
+
+    def __call__(self, write: Callable[..., Any], *args: Any) -> bool:
+        """``write(*args)``; whether it was tried and went through."""
+        if self.failed:
+            return False
+        try:
+            write(*args)
+            return True
+        except OSError as exc:
+            self.failed = write_error(self.what, self.path, exc)
+            return False

@@ -17,12 +17,12 @@ if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal be
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
     """Process entry point (started by the controller: forked from its server, or spawned)."""
-    from shardcheck.harness.wire import die_with_parent  # light: the guard is armed before torch loads
+    from shardcheck.harness.wire import die_with_parent, process_alive  # light: armed before torch loads
 
     die_with_parent()
     _let_the_fork_server_go()
     controller = options.get("controller_pid")
-    if controller is not None and not _alive(controller):  # it died before the signal was armed
+    if controller is not None and not process_alive(controller):  # it died before the signal was armed
         os._exit(1)
     if options.get("output_file"):  # the controller shows each distinct line once, not as it comes
         fd = os.open(options["output_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -71,7 +71,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
     while True:
         try:
             while not conn.poll(1.0):  # idle: look for the controller now and then, not only at EOF
-                if controller is not None and not _alive(controller):
+                if controller is not None and not process_alive(controller):
                     raise EOFError
             name, kwargs = conn.recv()
         except (EOFError, OSError):  # the controller is gone
@@ -136,21 +136,6 @@ def _let_the_fork_server_go() -> None:
         server._forkserver_alive_fd = None
 
 
-def _alive(pid: int) -> bool:
-    """``pid`` exists and is not a zombie (a killed controller its own parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)  # no /proc (not Linux): existence is all there is to know
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-
 class RankRunner:
     """Runs one scenario at a time on this rank and returns its result as plain data."""
 
@@ -210,7 +195,6 @@ class RankRunner:
         pipeline = pipeline_for(checks, CHECKS)
         # what the scenario has found so far: kept when a later step (the backward) fails
         frame = Frame(self.rank, seq, scenario.get("name", "?"), checks, self.lockstep, found=[])
-        errors: dict[str, float] = {}
         described, produced = {}, None
         raised = False
         self.layout = None
@@ -221,9 +205,9 @@ class RankRunner:
                 from shardcheck.harness.rank.reach import measured
 
                 with measured(self.target(target), reached):
-                    described, produced = self._run(scenario, target, frame.found, errors, checks, pipeline)
+                    described, produced = self._run(scenario, target, frame, pipeline)
             else:
-                described, produced = self._run(scenario, target, frame.found, errors, checks, pipeline)
+                described, produced = self._run(scenario, target, frame, pipeline)
             pipeline.frame("finish", frame)
         except BaseException as exc:  # noqa: BLE001  (a crash of the target is a finding)
             if not pipeline.claim(frame, exc):  # a check's own finding, or the target raised
@@ -247,7 +231,7 @@ class RankRunner:
         desync = frame.desync or (raised and self.lockstep is None)
         failures, calls = frame.found, frame.calls
         return RankResult(
-            self.rank, seq, failures, errors, time.perf_counter() - t0, described, frame.notes, desync,
+            self.rank, seq, failures, frame.errors, time.perf_counter() - t0, described, frame.notes, desync,
             calls=len(calls.calls) if calls is not None else 0,
             # the whole trace when asked for; otherwise, for a failure, the calls leading up to it
             trace=_trace_payload(calls, checks.trace_calls, bool(failures or frame.notes), self.trace_cap),
@@ -257,10 +241,9 @@ class RankRunner:
             reached=reached or None,
         )
 
-    def _run(self, scenario_dict: dict[str, Any], spec: str, found: list, errors: dict, checks: Checks,
-             pipeline: Any) -> tuple[dict, dict | None]:
-        """The scenario's steps; findings go into ``found`` and ``errors`` as they are made, so a
-        step that raises (the backward) does not hide what the earlier ones found."""
+    def _run(self, scenario_dict: dict[str, Any], spec: str, frame: Any, pipeline: Any) -> tuple[dict, dict | None]:
+        """The scenario's steps; findings go into the frame's ``found`` and ``errors`` as they are
+        made, so a step that raises (the backward) does not hide what the earlier ones found."""
         import torch
 
         from shardcheck.harness.rank import groups, shard
@@ -280,7 +263,7 @@ class RankRunner:
         data = ScenarioData(sc, loss=form)
         layout, rollout, moved = layout_for(target, data, groups.tp_rank(), groups.cp_rank(), self.rank)
         self.layout = layout_payload(layout)
-        found += moved
+        frame.found += moved
         leaf = shard.local_logits(data, layout).to(self.device).requires_grad_()
         inputs = RankInputs(
             # a non-leaf activation, as a model's output is: autograd lets a target write into it
@@ -311,12 +294,12 @@ class RankRunner:
         # (its share, the tokens its rows score, or with CP every token: the loss over the
         # gathered sequence / cp on each rank)
         defined = definitions(target)
-        life = Life(self.rank, checks, sc, data, layout, target, inputs, leaf, form, defined,
+        life = Life(self.rank, frame.checks, sc, data, layout, target, inputs, leaf, form, defined,
                     owed=shard.owed_layout(layout, defined.loss_over),
                     owed_entropy=shard.owed_layout(layout, defined.entropy_loss_over),
                     # the reference runs where the rank computes: on its GPU under nccl, in row chunks
                     reference_device=self.device if getattr(self.device, "type", "cpu") == "cuda" else None,
-                    found=found, errors=errors)
+                    found=frame.found, errors=frame.errors)
         pipeline.call("inputs_made", life)
         with pipeline.around("forward", life):
             life.outputs = target.compute(inputs)

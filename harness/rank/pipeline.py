@@ -88,6 +88,7 @@ class Frame:
     checks: Checks
     lockstep: Any  # the world's Lockstep (None: --no-lockstep)
     found: list[Failure]
+    errors: dict[str, float] = field(default_factory=dict)  # worst error per field, as comparisons add them
     notes: list[dict[str, Any]] = field(default_factory=list)  # a peer's report of why this rank stopped
     calls: Any = None  # the collective trace, once it ended
     desync: bool = False  # the backend itself failed: the world must restart
