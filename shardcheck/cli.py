@@ -289,12 +289,35 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
 
 
+def _reading(args: argparse.Namespace) -> Any:
+    """A scenario file's reading, said on stderr now and then while it lasts (a large file takes
+    seconds to read and validate before any world starts), unless --quiet."""
+    if getattr(args, "quiet", False):
+        return None
+    import time
+
+    from shardcheck.harness.controller.report import visible
+
+    path, t0 = visible(args.scenario_file), time.perf_counter()
+
+    def say(done: int, read: int, size: int) -> None:
+        if read < size:
+            print(f"shardcheck: reading {path}: {done:,} scenarios, {read * 100 // max(size, 1)} % of the file ...",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"shardcheck: read {path}: {done:,} scenarios in {time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr, flush=True)
+
+    return say
+
+
 def _select(args: argparse.Namespace) -> list:
     from shardcheck.scenarios import get_suite, load_scenario_file
 
     if args.scenario_file and args.suite:
         raise BadInput("give --suite or --scenario-file, not both")
-    scenarios = load_scenario_file(args.scenario_file) if args.scenario_file else get_suite(args.suite or "smoke")
+    scenarios = (load_scenario_file(args.scenario_file, progress=_reading(args)) if args.scenario_file
+                 else get_suite(args.suite or "smoke"))
     if args.scenario:
         by_name = {s.name: s for s in scenarios}
         unknown = [n for n in args.scenario if n not in by_name]

@@ -322,3 +322,67 @@ def test_hidden_and_reordering_characters_in_names_are_shown_escaped(tmp_path, c
     table = render_table([Verdict(Scenario(name, (Sample(6, 2),), vocab=8), SKIP, reason="r")],
                          runner.RunInfo({}, "builtin", 1, "gloo", "", True))
     assert "\u202e" not in table and "x\\u202egnp.exe" in table
+
+
+# -- large scenario files: said while read, counted in the summary, memory of the scenarios only -----
+def test_a_large_scenario_file_is_said_while_it_is_read(tmp_path, cli_in_process, monkeypatch):
+    """Reading and validating 509,018 scenarios took 37 s of silence; now a line comes every
+    PROGRESS_EVERY seconds (0 here: one per scenario) before any world starts."""
+    import json
+
+    from shardcheck.scenarios import suites
+
+    monkeypatch.setattr(suites, "PROGRESS_EVERY", 0.0)
+    entries = [{"name": f"s{i}", "samples": [[6, 2]], "vocab": 8} for i in range(3)]
+    entries.append({"name": "bad", "samples": [[-5, 2]], "vocab": 8})  # refused after the three are read
+    text = json.dumps(entries)
+    (tmp_path / "s.json").write_text(text)
+    proc = cli_in_process("run", "--scenario-file", str(tmp_path / "s.json"))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    # where in the file each entry ends, written out: '[' then the entries joined by ', '
+    ends = [len("[" + ", ".join(json.dumps(e) for e in entries[:k])) for k in (1, 2, 3)]
+    assert [ln.split(": ")[2] for ln in lines[:3]] == [f"{k} scenarios, {end * 100 // len(text)} % of the file ..."
+                                                       for k, end in zip((1, 2, 3), ends)], lines
+    assert lines[0].startswith(f"shardcheck: reading {tmp_path / 's.json'}: ")
+    assert lines[-1].endswith("entry 3: scenario 'bad': sample 0: total length -5 must be at least 2 "
+                              "(a prompt token and a response token)"), lines
+
+
+def test_reading_a_scenario_file_holds_the_scenarios_not_the_document(tmp_path):
+    """Memory while reading grows by the scenarios kept, not by the file parsed whole (json.loads
+    of it held every entry as dicts and the text at once: 540 MB for a 46 MB file)."""
+    import json
+    import tracemalloc
+
+    from shardcheck.scenarios import load_scenario_file
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps([{"name": f"s{i}", "samples": [[6 + i % 9, 2]], "vocab": 8,
+                                 "description": "x" * 200} for i in range(20000)]))  # 5.1 MB
+    tracemalloc.start()
+    try:
+        scenarios = load_scenario_file(path)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(scenarios) == 20000 and scenarios[-1].name == "s19999"
+    # beyond what it keeps: a chunk of the file (256 KiB, as bytes and as text) and one entry
+    assert peak - kept < 2 * 2**20, f"read with {(peak - kept) / 2**20:.1f} MiB beyond the {kept / 2**20:.1f} MiB kept"
+
+
+def test_a_run_stopped_early_says_how_many_of_how_many(world):
+    import io
+
+    from shardcheck.harness.controller.report import TerminalReport
+
+    class StopAfterOne(TerminalReport):
+        def add(self, verdict):
+            super().add(verdict)
+            raise KeyboardInterrupt  # as Ctrl-C after the first verdict
+
+    out = io.StringIO()
+    scenarios = [Scenario(f"small{i}", (Sample(6, 2),), vocab=8, tp=2, seed=i) for i in range(3)]
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(scenarios, "builtin", reporter=StopAfterOne(out=out, err=io.StringIO()), world=world)
+    assert "\n1 of 3 scenarios: 1 passed, 0 failed, 0 skipped in " in out.getvalue(), out.getvalue()

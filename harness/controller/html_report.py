@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller.report import visible
+from shardcheck.harness.controller.report import scenario_count, visible
 from shardcheck.harness.controller.report_file import GuardedWrites, check_report_path, replace_with
 
 REQUIRED = ("scenarios",)
@@ -83,7 +83,7 @@ def _summary(doc: dict[str, Any]) -> list[str]:
         lines[-1] += f"; world: {_e(doc['ranks'])} ranks ({_e(doc.get('backend', '?'))})"
     summary = doc.get("summary")
     if summary:
-        lines.append(f"<p>{summary.get('total', 0)} scenarios: {summary.get('pass', 0)} passed, "
+        lines.append(f"<p>{scenario_count(summary.get('total', 0), doc.get('planned'))}: {summary.get('pass', 0)} passed, "
                      f"{summary.get('fail', 0)} failed, {summary.get('skip', 0)} skipped"
                      + ("" if doc.get("complete", True) else " <b>(incomplete: the run did not finish)</b>") + "</p>")
     defined = target.get("definitions") or {}

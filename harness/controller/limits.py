@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller.machine import CONTROLLER_BYTES, RANK_BYTES, Machine
 from shardcheck.harness.controller.memory import size_text
-from shardcheck.harness.controller.scenario_memory import DTYPE_BYTES, scenario_bytes
+from shardcheck.harness.controller.scenario_memory import DTYPE_BYTES, scenario_bytes, shape_key
 from shardcheck.scenarios.scenario import Scenario
 
 # multiprocessing's wait (poll) takes whole milliseconds in a C int: a wait past 2**31 - 1 ms
@@ -108,9 +108,13 @@ def check_run(scenarios: Sequence[Scenario], nproc: int | None, *, allow_large_w
     size = nproc or _world_size(scenarios)
     check_nproc(size, machine=machine,
                 what=None if nproc else f"these scenarios need a world of {size} ranks (the lcm of their tp*cp), which")
+    estimates: dict[tuple, int] = {}  # by what sets them: a large file repeats few shapes
     for sc in scenarios:
         if size % sc.ranks == 0:
-            _check_fits(sc.name, scenario_bytes(sc), size, machine)
+            key = shape_key(sc)
+            if key not in estimates:
+                estimates[key] = scenario_bytes(sc)
+            _check_fits(sc.name, estimates[key], size, machine)
 
 
 def check_invariance_world(scenarios: Sequence[Scenario], axes: Sequence[str], nproc: int | None, *,

@@ -273,7 +273,7 @@ class TerminalReport:
         t = info.target
         if not self.quiet:
             print(f"shardcheck: target {t.get('name', '?')} {t.get('version', '')}".rstrip()
-                  + f", {total} scenarios, {info.ranks} ranks ({info.backend})", file=self.err)
+                  + f", {total:,} scenarios, {info.ranks} ranks ({info.backend})", file=self.err)
 
     def add(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)
@@ -298,7 +298,7 @@ class TerminalReport:
             print(file=self.err)
         in_suite_order = sorted(self.verdicts, key=lambda v: self.order.get(id(v.scenario), 0))
         try:
-            print(render_table(in_suite_order, info), file=self.out, flush=True)
+            print(render_table(in_suite_order, info, self.total), file=self.out, flush=True)
         except BrokenPipeError:  # piped into head: the verdicts (and exit status) still stand
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
 
@@ -308,7 +308,9 @@ def suite_order(scenarios: list[Scenario]) -> dict[int, int]:
     return {id(sc): i for i, sc in enumerate(scenarios)}
 
 
-def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
+def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = None) -> str:
+    """The table, each failure, and the summary (``planned``: how many were asked for, when the
+    run may have stopped before giving each a verdict)."""
     rows = [("scenario", "layout", "tp", "cp", "verdict", "time", "detail")]
     for v in verdicts:
         sc = v.scenario
@@ -343,12 +345,17 @@ def render_table(verdicts: list[Verdict], info: RunInfo) -> str:
     if not info.inplace:
         lines.append("not checked: whether the target leaves its inputs unchanged (--no-inplace)")
     lines.append(
-        f"{c['total']} scenarios: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped "
+        f"{scenario_count(c['total'], planned)}: {c[PASS]:,} passed, {c[FAIL]:,} failed, {c[SKIP]:,} skipped "
         f"in {info.wall_seconds:.1f}s"
         + (f" (world start-up {sum(start):.1f}s, {len(start)} start{'s' if len(start) != 1 else ''}, "
            f"{info.ranks} ranks)" if start else "")
     )
     return "\n".join(lines)
+
+
+def scenario_count(done: int, planned: int | None) -> str:
+    """'64 scenarios', or '12,781 of 509,018 scenarios' for a run that stopped before the end."""
+    return f"{done:,} of {planned:,} scenarios" if planned and planned > done else f"{done:,} scenarios"
 
 
 def definitions_line(target: dict[str, Any]) -> str | None:

@@ -6,6 +6,7 @@ with the modules that import torch).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 
 from shardcheck.scenarios.layout import allgather_pieces, zigzag_positions
@@ -164,9 +165,18 @@ def rank_bytes(sc: Scenario, cp_rank: int = 0, *, reference: bool = True, output
     return max(phases) + ROW_PYTHON_BYTES * rows
 
 
+def shape_key(scenario: Scenario) -> tuple:
+    """Every field but those that cannot change what a rank allocates (its name, description and
+    seed): scenarios with one key have one estimate."""
+    return tuple(getattr(scenario, f) for f in _SHAPE_FIELDS)
+
+
 def scenario_bytes(scenario: Scenario, *, reference: bool = True, outputs: bool = False) -> int:
     """Peak bytes a rank allocates for ``scenario``: the most over its CP ranks (TP ranks differ
     only in which columns they keep, data-parallel replicas repeat one of them). Why it is what
     it is: :func:`rank_bytes`. An estimate, within about 25 % of the measured peaks, mostly
     above; the target's own share is the builtin target's."""
     return max(rank_bytes(scenario, r, reference=reference, outputs=outputs) for r in range(scenario.cp))
+
+
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(Scenario) if f.name not in ("name", "description", "seed"))
