@@ -54,9 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks in the world (default: the least every scenario fits in)")
     r.add_argument("--trace", action="store_true",
                    help="put every rank's collective calls (op, group, shapes, phase, site) in the JSON report")
-    r.add_argument("--no-inplace", action="store_true",
-                   help="do not check that the target leaves its inputs unchanged (a target known to write into "
-                        "its logits: its values, gradients and collectives are still checked; the report says so)")
+    _check_switches(r)
     r.add_argument("--allow-all-skipped", action="store_true",
                    help="exit 0, not 5, when every scenario was skipped (nothing was checked)")
     r.add_argument("--coverage", action="store_true",
@@ -73,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json-report", metavar="FILE", help="write the matrix here, updated after every base scenario")
     v.add_argument("--html-report", metavar="FILE", help="the matrix as a self-contained HTML page, updated likewise")
     v.add_argument("--nproc", type=int, default=None, help="ranks in the world (default: 4, or more if a scenario needs)")
+    _check_switches(v, invariance=True)
     b = sub.add_parser("bisect", help="find the first commit of a target's source where a suite's verdict changes")
     b.add_argument("--target", default=None,
                    help="a target that takes a source checkout, NAME or NAME:VARIANT, e.g. slime:policy_loss "
@@ -100,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the minimal failing scenario is written (default: .shardcheck/fuzz-failure.json)")
     f.add_argument("--html-report", metavar="FILE",
                    help="the minimal failing scenario's page (lanes, layout map, error map), as run --html-report")
+    _check_switches(f)
     m = sub.add_parser("simulate", help="check layouts far beyond this machine for would-be hangs: every rank "
                                         "in turn in one process, on torch's fake process group")
     _world_options(m, simulated=True)
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the minimal failing scenario is written (default: .shardcheck/simulate-failure.json)")
     m.add_argument("--no-replay", action="store_true",
                    help="do not replay the minimal failing scenario on a real world, even when it fits")
+    _check_switches(m)
     h = sub.add_parser("report", help="render a saved JSON report as the HTML page --html-report writes")
     h.add_argument("json", metavar="JSON", help="a JSON report (shardcheck run --json-report)")
     h.add_argument("--html", required=True, metavar="FILE", help="where the page is written")
@@ -150,6 +151,18 @@ def _world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False, si
     p.add_argument("--no-lockstep", action="store_true",
                    help="trace collectives without the lockstep check; a hang then lasts until --timeout")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+
+INPLACE_HELP = ("do not check that the target leaves its inputs unchanged (a target known to write into its "
+                "logits: its values, gradients and collectives are still checked; the report says so)")
+
+
+def _check_switches(p: argparse.ArgumentParser, *, invariance: bool = False) -> None:
+    """The switches that turn a check off, the same on every command that checks a target
+    (run, fuzz, simulate, invariance), so one command line carries from one to the other."""
+    p.add_argument("--no-inplace", action="store_true",
+                   help=("accepted as run takes it; invariance compares outputs only and never checks the "
+                         "inputs") if invariance else INPLACE_HELP)
 
 
 def _target_options(p: argparse.ArgumentParser) -> None:
@@ -210,8 +223,8 @@ def _use_target_config(args: argparse.Namespace) -> None:
 
 
 def _target_args(args: argparse.Namespace) -> list[str]:
-    """The target's options as the user gave them, to repeat a run."""
-    out: list[str] = []
+    """The target's options (and the checks switched off) as the user gave them, to repeat a run."""
+    out: list[str] = ["--no-inplace"] if getattr(args, "no_inplace", False) else []
     for name in source_names():
         if getattr(args, f"src_{name}", None):
             out += [source_flag(name), getattr(args, f"src_{name}")]
@@ -514,6 +527,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             tp=args.tp or fuzz.DEFAULT_TP, cp=args.cp or fuzz.DEFAULT_CP, layouts=args.layout,
             nproc=args.nproc, max_shrinks=args.max_shrinks, timeout=args.timeout,
             lockstep=not args.no_lockstep, backend=args.backend, progress=progress, on_start=on_start,
+            inplace=not args.no_inplace,
         )
     except KeyboardInterrupt as exc:
         progress.close()

@@ -20,7 +20,8 @@ Launch it either way people launch distributed tests:
 
 Options: ``--shardcheck-target`` (default ``builtin``, or ``SHARDCHECK_TARGET``),
 ``--shardcheck-backend`` (auto, gloo, nccl), ``--shardcheck-nproc`` (ranks shardcheck starts,
-default 4), ``--shardcheck-timeout`` (seconds per scenario).
+default 4), ``--shardcheck-timeout`` (seconds per scenario), ``--shardcheck-no-inplace`` (as
+``shardcheck run --no-inplace``: the inputs are not checked).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"ranks shardcheck starts (default {DEFAULT_NPROC}; under torchrun: its world)")
     group.addoption("--shardcheck-timeout", type=float, default=60.0, metavar="S",
                     help="seconds a scenario may take before its ranks are declared hung (default 60)")
+    group.addoption("--shardcheck-no-inplace", action="store_true",
+                    help="do not check that the target leaves its inputs unchanged (as shardcheck run --no-inplace)")
 
 
 # Notices megatron-core and torch print when shardcheck imports them in a pytest process (a
@@ -85,10 +88,11 @@ def parametrize_suite(suite: str | Iterable[Any], argname: str = "scenario") -> 
 class ShardcheckSession:
     """The session's world and default target; :meth:`check` runs one scenario on every rank."""
 
-    def __init__(self, world: Any, target: str, report: Any = None) -> None:
+    def __init__(self, world: Any, target: str, report: Any = None, inplace: bool = True) -> None:
         self.world = world
         self.target = target
         self.report = report  # --shardcheck-html-report's page, or None
+        self.inplace = inplace  # --shardcheck-no-inplace: False
 
     def run(self, scenario: Any, target: str | None = None) -> Any:
         """The scenario's :class:`~shardcheck.harness.controller.verdict.Verdict` (pass, fail or skip)."""
@@ -96,7 +100,7 @@ class ShardcheckSession:
         from shardcheck.harness.controller.report import SilentReport
 
         result = runner.run([scenario], target or self.target, reporter=self.report or SilentReport(),
-                            world=self.world)
+                            world=self.world, inplace=self.inplace)
         return result.verdicts[0]
 
     def check(self, scenario: Any, target: str | None = None) -> Any:
@@ -207,4 +211,4 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
                 pytest.exit(f"shardcheck: {report.failed}", returncode=2)
 
         request.addfinalizer(close)
-    return ShardcheckSession(world, target, report)
+    return ShardcheckSession(world, target, report, inplace=not opt("--shardcheck-no-inplace"))

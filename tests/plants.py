@@ -836,3 +836,73 @@ class ShareOfGatheredNoGradSum(BuiltinTarget):
 
         return RankOutputs(own(_gathered(inputs, out.log_probs, False)),
                            own(_gathered(inputs, out.entropy, False)) if out.entropy is not None else None)
+
+
+class _NudgesSavedLogitsInBackward(torch.autograd.Function):
+    """Identity; its backward moves the first element of the logits it saw in the forward to the
+    next float up, in place: a change of one ulp, made in the backward (as verl's entropy
+    backward writes into its logits)."""
+
+    @staticmethod
+    def forward(ctx, logits):  # type: ignore[override]
+        ctx.logits = logits  # kept as is, not saved for backward: autograd's version check would object
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        first = ctx.logits.detach().view(-1)[:1]
+        first.copy_(torch.nextafter(first, torch.full_like(first, float("inf"))))  # the planted write
+        return grad
+
+
+class NoOpWritesThenOneUlpInBackward(BuiltinTarget):
+    """builtin, which divides the logits it is given by a temperature of 1.0 in place twice (no bit
+    changes) and, in the backward, moves their first element up by one ulp: values and gradients
+    stay right; the write that changed the logits is the backward's, not the first division"""
+
+    name = "plants:NoOpWritesThenOneUlpInBackward"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import dataclasses
+
+        inputs.logits.div_(1.0)  # the first no-op write
+        inputs.logits.div_(1.0)  # the second
+        return super().compute(dataclasses.replace(inputs, logits=_NudgesSavedLogitsInBackward.apply(inputs.logits)))
+
+
+def _framework_entropy_for_logging(entropy: torch.Tensor) -> torch.Tensor:
+    """As a framework that computes its entropy for logging only, under no_grad."""
+    with torch.no_grad():
+        return entropy.clone()  # the planted cut: the values stay right
+
+
+class EntropyLeftGraphInFramework(BuiltinTarget):
+    """builtin, whose entropy passes through a function (standing for the framework's) that
+    makes it under torch.no_grad(): right values, no gradient through the entropy term"""
+
+    name = "plants:EntropyLeftGraphInFramework"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        out.entropy = [_framework_entropy_for_logging(e) for e in out.entropy]
+        return out
+
+
+class GradScaledInPlaceAndCorruptValue(BuiltinTarget):
+    """builtin whose log-probs' backward scales the gradient fed into them in place, in every
+    scenario (an in-place write known to be there), and whose log-prob of sample 1, response
+    token 3 is off by 0.5 (a wrong value only where there is such a token)"""
+
+    name = "plants:GradScaledInPlaceAndCorruptValue"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        from shardcheck.targets.mutants import _LossScaled
+
+        out = super().compute(inputs)
+        share = _layout(inputs).share
+        if len(share) > SAMPLE and TOKEN in share[SAMPLE]:
+            bump = torch.zeros_like(out.log_probs[SAMPLE])
+            bump[share[SAMPLE].index(TOKEN)] = 0.5
+            out.log_probs[SAMPLE] = out.log_probs[SAMPLE] + bump
+        out.log_probs = [_LossScaled.apply(lp) if lp.requires_grad else lp for lp in out.log_probs]
+        return out

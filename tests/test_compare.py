@@ -228,3 +228,63 @@ def test_gradient_on_a_padding_row_is_named_as_padding():
     grad.reshape(lay.num_rows, -1)[0, 1] = -0.5
     [f] = compare_grad(lay, data, grad, rank=0)[0]
     assert "unscored row 0" in f.message and f.token is None and f.sample == 0
+
+
+# -- how values read in a message (issue 23, item 5) -------------------------------------------------
+def _float32_after(x: float, steps: int) -> float:
+    """The float32 ``steps`` places above ``x``, stepped by numpy (not by the code under test)."""
+    import numpy as np
+
+    v = np.float32(x)
+    for _ in range(steps):
+        v = np.nextafter(v, np.float32(np.inf))
+    return float(v)
+
+
+def test_values_that_differ_by_one_ulp_read_differently_and_say_how_far_apart():
+    import numpy as np
+
+    from shardcheck.harness.rank.compare import apart
+
+    for x in (-0.79949, -0.70568, 1.0, 3.0e-7, 12345.678):
+        was, now = float(np.float32(x)), _float32_after(x, 1)
+        a, b, gap = apart(torch.tensor(was), torch.tensor(now), torch.float32)
+        assert a != b and gap == " (1 ulp of float32)", (a, b, gap)
+        # each reads back as exactly its own float32: the digits shown are enough
+        assert np.float32(float(a)) == np.float32(was) and np.float32(float(b)) == np.float32(now)
+    a, b, gap = apart(torch.tensor(1.0), torch.tensor(_float32_after(1.0, 5)), torch.float32)
+    assert gap == " (5 ulps of float32)"
+    # bfloat16: 1.0 and the next bfloat16, 2**-7 above
+    a, b, gap = apart(torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(1.0078125, dtype=torch.bfloat16),
+                      torch.bfloat16)
+    assert (a, gap) == ("1", " (1 ulp of bfloat16)") and torch.tensor(float(b)).bfloat16().item() == 1.0078125
+    # the same number with another sign bit, and NaNs that differ only in their payload
+    assert apart(torch.tensor(0.0), torch.tensor(-0.0), torch.float32)[2] == " (the same number, the sign bit differs)"
+    nans = torch.tensor([0x7FC00000, 0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert apart(nans[0], nans[1], torch.float32)[:2] == ("nan (bits 0x7fc00000)", "nan (bits 0x7fc00001)")
+
+
+def test_ulp_distance_agrees_with_the_invariance_checks_own():
+    from shardcheck.harness.controller.invariance import ulp_distance as controller_ulps
+    from shardcheck.harness.rank.compare import ulp_distance
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(200, generator=g)
+    b = a + torch.randn(200, generator=g) * 1e-6
+    b[:20] = -b[:20]  # across zero too
+    want = controller_ulps(a, b)
+    assert [ulp_distance(x, y, torch.float32) for x, y in zip(a, b)] == want.tolist()
+
+
+def test_a_value_mismatch_says_how_many_ulps_off_in_the_outputs_dtype():
+    from shardcheck.harness.controller.invariance import ulp_distance as controller_ulps
+
+    data = ScenarioData(SC)
+    lay = rank_layout(SC, 1, 1)
+    exp = _expected(1, 1)
+    lp, ent = _f32(exp.log_probs), _f32(exp.entropy)
+    ent[0] = ent[0].clone()
+    ent[0][1] += 0.01
+    [f] = compare_outputs(lay, data, lp, ent, rank=3)[0]
+    steps = int(controller_ulps(torch.tensor([f.got], dtype=torch.float32), torch.tensor([f.want]).float()))
+    assert f.message.endswith(f"({steps} ulps of float32)"), f.message

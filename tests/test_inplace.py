@@ -53,8 +53,63 @@ def test_the_watch_names_the_first_write_and_its_phase():
     [f] = guard.check("forward")
     assert f.field == "logits" and f.phase == "forward" and f.details["changed"] == 12
     assert f.details["op"] == "aten.exp.out" and f.details["site"][0].endswith(site), f.details
-    assert "first in-place write: aten.exp.out at" in f.message
+    assert "first in-place write that changed it: aten.exp.out at" in f.message
     assert guard.check("backward") == []  # reported once, in the first phase it is seen after
+
+
+def test_writes_that_change_nothing_are_counted_and_the_one_that_changed_it_is_named():
+    """A div_ by a temperature of 1.0 is a write into the logits, not a change of them: the write
+    named is the first that changed a bit (issue 23, item 5)."""
+    x = torch.randn(3, 4)
+    guard = InputGuard(rank=0)
+    guard.watch("logits", x, None, lambda k: ({"position": k}, f"element {k}"))
+    with guard.writes_watch():
+        x.div_(1.0)
+        first_noop = _here(-1)
+        x.mul_(1.0)
+        second_noop = _here(-1)
+        x.view(-1)[:1].copy_(torch.nextafter(x.view(-1)[:1], torch.tensor(float("inf"))))
+        change = _here(-1)
+        x.add_(1.0)  # after the change: not followed further
+    [f] = guard.check("forward")
+    assert f.details["op"] == "aten.copy_.default" and f.details["site"][0].endswith(change), f.details
+    assert f.details["unchanged_writes"] == 2 and f.details["changed"] == 12
+    assert ("first in-place write that changed it: aten.copy_.default at" in f.message
+            and "2 earlier in-place writes left it unchanged: aten.div_." in f.message), f.message
+    assert first_noop in f.message and second_noop in f.message and "aten.add_" not in f.message
+
+
+def test_a_one_ulp_change_reads_as_two_values_and_its_ulps():
+    import numpy as np
+
+    x = torch.full((2, 2), -0.79949)
+    guard = InputGuard(rank=0)
+    guard.watch("logits", x, None, lambda k: ({"position": k}, f"element {k}"))
+    with guard.writes_watch():
+        x.view(-1)[:1].copy_(torch.nextafter(x.view(-1)[:1], torch.tensor(float("inf"))))
+    [f] = guard.check("forward")
+    was = float(np.float32(-0.79949))
+    now = float(np.nextafter(np.float32(was), np.float32(np.inf)))
+    assert (f.want, f.got) == (was, now)
+    shown = f.message.split("(was ", 1)[1].split(" (1 ulp of float32))", 1)[0]
+    shown_was, shown_now = shown.split(", now ")
+    assert shown_was != shown_now, f.message
+    # each reads back as its own float32: the digits shown tell them apart
+    assert np.float32(float(shown_was)) == np.float32(was) and np.float32(float(shown_now)) == np.float32(now)
+
+
+def test_a_change_no_watched_write_made_says_so():
+    """numpy writes through the tensor's memory, under the dispatcher: the watch sees no write
+    that changed it, and says that rather than naming the harmless one it saw."""
+    x = torch.zeros(4)
+    guard = InputGuard(rank=0)
+    guard.watch("logits", x, None, lambda k: ({"position": k}, f"element {k}"))
+    with guard.writes_watch():
+        x.div_(1.0)
+        x.numpy()[2] = 5.0
+    [f] = guard.check("forward")
+    assert "no in-place write that the watch saw changed it; 1 in-place write left it unchanged: aten.div_" in f.message
+    assert "op" not in f.details and f.details["unchanged_writes"] == 1
 
 
 def test_a_write_in_backward_is_named_in_backward():

@@ -95,9 +95,10 @@ class _Search:
     fail when its verdict does."""
 
     def __init__(self, result: FuzzResult, target_spec: str, world: World, max_shrinks: int,
-                 progress: Callable[[Event], None] | None) -> None:
+                 progress: Callable[[Event], None] | None, inplace: bool = True) -> None:
         self.result, self.target_spec, self.world = result, target_spec, world
         self.max_shrinks, self.progress = max_shrinks, progress
+        self.inplace = inplace  # False: a known write into the inputs does not end the search
         self.cache: dict[str, Verdict] = {}
         self.error: Exception | None = None
         self.last: Verdict | None = None  # hypothesis replays the minimal failing example last
@@ -126,7 +127,7 @@ class _Search:
         started = time.perf_counter()
         try:
             [verdict] = runner.run([sc], self.target_spec, reporter=SilentReport(), nproc=self.world.nproc,
-                                   world=self.world).verdicts
+                                   world=self.world, inplace=self.inplace).verdicts
         except Exception as exc:
             self.error = exc
             raise
@@ -216,6 +217,7 @@ def fuzz(
     progress: Callable[[Event], None] | None = None,
     on_start: Callable[[FuzzResult], None] | None = None,
     max_ranks: int = MAX_RANKS,
+    inplace: bool = True,
 ) -> FuzzResult:
     """Search for a scenario the target fails; shrink the first one found to a minimal one.
 
@@ -223,6 +225,8 @@ def fuzz(
     one started here before the search and closed after it. ``max_shrinks`` bounds the distinct
     scenarios run while shrinking; past it, the smallest failure so far is the answer.
     ``on_start`` sees the plan (seed, world size, pairs, layouts) before the world starts.
+    ``inplace`` (``--no-inplace``: False) checks that the target leaves its inputs unchanged; off,
+    a target known to write into them is searched for its other failures.
     """
     from shardcheck.harness.controller.runner import controller_target
 
@@ -264,9 +268,11 @@ def fuzz(
         max_total=max_total,
     )
     active = chosen.world
-    runs = _Search(result, target_spec, active, max_shrinks, progress)
+    runs = _Search(result, target_spec, active, max_shrinks, progress, inplace)
     namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy, replay_keep,
                       sampling))
+    if not inplace:  # failures of the input check are not this search's to try first
+        namespace += " no-inplace"
     db = _Namespaced(DirectoryBasedExampleDatabase(database), namespace) if database is not None else None
     search = settings(
         max_examples=max_examples, deadline=None, database=db,

@@ -34,7 +34,7 @@ def main(args: argparse.Namespace, scenarios: list[Scenario] | None, target_args
         check_sizes([s.ranks for s in scenarios], args.max_world, "a scenario")
         with FakeWorld(sorted({s.ranks for s in scenarios}), timeout=args.timeout) as world:
             result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet)),
-                                world=world)
+                                world=world, inplace=not args.no_inplace)
         print(NOTE)
         return result.exit_code
     return _search(args, target_args)
@@ -56,7 +56,7 @@ def _search(args: argparse.Namespace, target_args: list[str]) -> int:
         try:
             result = fuzz.fuzz(args.target, max_examples=args.max_examples, seed=args.seed, tp=tp, cp=cp,
                                layouts=layouts, max_shrinks=args.max_shrinks, timeout=args.timeout, world=world,
-                               progress=progress, max_ranks=max(world.nproc, 1),
+                               progress=progress, max_ranks=max(world.nproc, 1), inplace=not args.no_inplace,
                                on_start=lambda plan: _header(plan, args.quiet))
         finally:
             progress.close()
@@ -64,7 +64,7 @@ def _search(args: argparse.Namespace, target_args: list[str]) -> int:
     print(summary(result, written, replay, minimal))
     print(NOTE)
     if minimal is not None and not args.no_replay:
-        print(replay_on_real_world(minimal, args.target, result.failure.kinds, args.timeout))
+        print(replay_on_real_world(minimal, args.target, result.failure.kinds, args.timeout, not args.no_inplace))
     return result.exit_code
 
 
@@ -76,9 +76,10 @@ def _header(plan: fuzz.FuzzResult, quiet: bool) -> None:
               "each layout on its own tp * cp ranks)", file=sys.stderr, flush=True)
 
 
-def replay_on_real_world(sc: Scenario, target: str, kinds: Sequence[str], timeout: float) -> str:
+def replay_on_real_world(sc: Scenario, target: str, kinds: Sequence[str], timeout: float,
+                         inplace: bool = True) -> str:
     """The minimal failing scenario on a real gloo world of tp * cp ranks, when this machine holds
-    one: the kinds it gives there, beside the simulation's."""
+    one: the kinds it gives there, beside the simulation's (with the same checks: ``inplace``)."""
     from shardcheck.harness.controller.machine import Machine
     from shardcheck.harness.controller.report import SilentReport
 
@@ -86,7 +87,8 @@ def replay_on_real_world(sc: Scenario, target: str, kinds: Sequence[str], timeou
     if sc.ranks > machine.max_ranks:
         return (f"not replayed on a real world: {sc.ranks} ranks, this machine holds {machine.max_ranks} "
                 f"({machine.figures()})")
-    [verdict] = runner.run([sc], target, reporter=SilentReport(), nproc=sc.ranks, timeout=timeout).verdicts
+    [verdict] = runner.run([sc], target, reporter=SilentReport(), nproc=sc.ranks, timeout=timeout,
+                           inplace=inplace).verdicts
     real = sorted(set(verdict.kinds))
     same = "the same kind" if set(kinds) & set(real) else "a different outcome"
     return (f"replayed on a real world of {sc.ranks} ranks (gloo): {verdict.status}"

@@ -44,6 +44,60 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
 }
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+MIN_DIGITS = 6  # significant digits a value is shown with, more where two would read alike
+
+
+def distinct(a: float, b: float) -> tuple[str, str]:
+    """Two different values written with as many significant digits as it takes (at least
+    MIN_DIGITS) for them to read differently: a 1-ulp change must not read "was x, now x"."""
+    if isinstance(a, int) and isinstance(b, int):
+        return str(a), str(b)
+    for digits in range(MIN_DIGITS, 18):  # 17 significant digits tell any two float64 apart
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return f"{a!r}", f"{b!r}"  # alike as numbers (two NaNs): the caller says how their bits differ
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> int | None:
+    """How many steps of ``dtype`` separate two scalars, each rounded to ``dtype`` first (1: the
+    next value); None where either is NaN or ``dtype`` is not floating point."""
+    if not dtype.is_floating_point or a.isnan() or b.isnan():
+        return None
+    t = torch.stack([a.to(dtype), b.to(dtype)])
+    bits = t.view(_BITS[t.element_size()]).to(torch.int64)
+    sign_bit = 1 << (8 * t.element_size() - 1)
+    # negative floats below the positives, -0.0 and 0.0 one number: the floats' order as integers
+    ordered = torch.where(bits < 0, -(bits + sign_bit), bits)
+    return int((ordered[0] - ordered[1]).abs())
+
+
+def apart(a: torch.Tensor | float, b: torch.Tensor | float, dtype: torch.dtype) -> tuple[str, str, str]:
+    """Two different scalars as a message shows them: digits enough to tell them apart, and how
+    far apart they are in ``dtype`` (the tensor's), " (N ulps of float32)"; -0.0 against 0.0 and
+    NaNs of different payloads are named by their bits. A float is taken as float64 (the
+    reference), a tensor keeps its own dtype and bits."""
+    ta, tb = (x.detach().reshape(()).cpu() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
+              for x in (a, b))
+    x, y = distinct(ta.item(), tb.item())
+    if not dtype.is_floating_point:
+        return x, y, ""
+    n = ulp_distance(ta, tb, dtype)
+    if n is None and x == y:  # two NaNs
+        return f"nan (bits 0x{_bits(ta):x})", f"nan (bits 0x{_bits(tb):x})", ""
+    if n == 0:  # equal as numbers: -0.0 against 0.0
+        return x, y, " (the same number, the sign bit differs)"
+    name = str(dtype).removeprefix("torch.")
+    return x, y, "" if n is None else f" ({n} ulp{'' if n == 1 else 's'} of {name})"
+
+
+def _bits(t: torch.Tensor) -> int:
+    """A float scalar's bits, as an unsigned integer."""
+    width = 8 * t.element_size()
+    return int(t.reshape(1).view(_BITS[t.element_size()])) & ((1 << width) - 1)
+
+
 def mismatch_mask(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> torch.Tensor:
     close = (got - want).abs() <= tol.atol + tol.rtol * want.abs()
     return ~close  # NaN compares False, so it is a mismatch
@@ -99,9 +153,9 @@ def compare_outputs(
         bad = mismatch_mask(got, want, tol).nonzero().flatten().tolist()
         for k in bad[:MAX_LISTED]:
             sample, token = positions[k]
+            g, w, gap = apart(got[k].item(), want[k].item(), outs[sample].dtype)
             failures.append(Failure(
-                VALUE_MISMATCH,
-                f"{name} sample {sample} token {token}: got {got[k].item():.6g}, want {want[k].item():.6g}",
+                VALUE_MISMATCH, f"{name} sample {sample} token {token}: got {g}, want {w}{gap}",
                 [rank], field=name, sample=sample, token=token, got=got[k].item(), want=want[k].item(),
             ))
         if len(bad) > MAX_LISTED:
@@ -154,7 +208,8 @@ def compare_loss(
     scale = 1.0 + float(w_lp.abs().sum() + w_ent.abs().sum())
     error = abs(got - want)
     if not error <= tol.atol * scale + tol.rtol * abs(want):  # NaN fails
-        return [Failure(VALUE_MISMATCH, f"loss: got {got:.8g}, want {want:.8g}", [rank], field="loss",
+        g, w, gap = apart(got, want, loss.dtype)
+        return [Failure(VALUE_MISMATCH, f"loss: got {g}, want {w}{gap}", [rank], field="loss",
                         got=got, want=want)], {"loss": error}
     return [], {"loss": error}
 
@@ -166,6 +221,7 @@ def compare_grad(
     """Check d loss / d local logits against the reference gradient of the global loss (its
     entropy term as the target defines entropy: ``entropy_sign``)."""
     sc = layout.scenario
+    dtype = grad.dtype
     grad = grad.detach().reshape(layout.num_rows, -1).cpu().double()
     targets, w_lp, w_ent = shard.row_targets_and_weights(data, layout)
     rows = layout.row_positions()
@@ -185,7 +241,8 @@ def compare_grad(
         count += len(bad)
         for r, c in bad[: MAX_LISTED - len(listed)]:
             stream, pos = rows[start + r]
-            listed.append(_grad_failure(layout, stream, pos, a + c, got[r, c].item(), want[r, c].item(), rank))
+            listed.append(_grad_failure(layout, stream, pos, a + c, got[r, c].item(), want[r, c].item(), rank,
+                                        dtype))
         for r, _ in bad:
             if len(mapped) < MAX_MAPPED and rows[start + r][0] < len(sc.samples):
                 mapped.setdefault(rows[start + r], None)
@@ -196,7 +253,7 @@ def compare_grad(
 
 
 def _grad_failure(layout: RankLayout, stream: int, pos: int, column: int, got: float, want: float,
-                  rank: int) -> Failure:
+                  rank: int, dtype: torch.dtype) -> Failure:
     samples = layout.scenario.samples
     token = layout.scored_token(stream, pos)
     if stream >= len(samples):
@@ -206,8 +263,9 @@ def _grad_failure(layout: RankLayout, stream: int, pos: int, column: int, got: f
     else:
         kind = "padding" if pos >= samples[stream].total else "unscored"
         where, sample, pos_out = f"sample {stream} {kind} row {pos}", stream, pos
+    g, w, gap = apart(got, want, dtype)
     return Failure(
-        GRAD_MISMATCH, f"grad {where} column {column}: got {got:.6g}, want {want:.6g}", [rank],
+        GRAD_MISMATCH, f"grad {where} column {column}: got {g}, want {w}{gap}", [rank],
         field="grad", sample=sample, token=token, position=pos_out, column=column, got=got, want=want,
     )
 

@@ -5,11 +5,13 @@ sample's tokens, the policy batch) with what proves it unchanged; the gradients 
 the target's outputs for the backward are registered before the backward. After the forward and
 again after the backward each is compared with its original, bit for bit.
 
-Where the first in-place write happened is found with torch's own machinery: a
+Which in-place write changed a tensor is found with torch's own machinery: a
 ``TorchDispatchMode`` active while the target runs (forward and backward) sees every op whose
-schema writes into an argument (``x.sub_``, ``exp(out=x)``, a collective's in-place output) and
-records the first one that writes into a registered tensor's storage, with the Python call site
-outside torch and the harness. It costs a Python call per op (about 1.3x on the smoke suite, see
+schema writes into an argument (``x.sub_``, ``exp(out=x)``, a collective's in-place output) and,
+for one that writes into a registered tensor's storage, compares the tensor's bits before and
+after it: the first write that changed them is named, with the Python call site outside torch and
+the harness, and the writes before it that changed nothing are counted (a ``div_`` by a
+temperature of 1.0 is not what changed the logits). It costs a Python call per op (about 1.3x on the smoke suite, see
 ``benchmarks/inplace_overhead.py``), so it runs only to explain a change already found: the
 controller runs such a scenario again with ``explain`` (see ``runner.run``).
 """
@@ -26,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardcheck.harness.rank import trace
+from shardcheck.harness.rank.compare import apart
 from shardcheck.harness.rank.pipeline import Check, Life
 from shardcheck.harness.wire import EXPLAIN, INPUT_MUTATED, Checks, Failure
 
@@ -36,7 +39,7 @@ Locate = Callable[[int], tuple[dict[str, int | None], str]]
 
 @dataclass
 class Write:
-    """The first in-place write into a watched tensor: the op, the phase, the call site."""
+    """An in-place write into a watched tensor: the op, the phase, the call site."""
 
     op: str
     phase: str
@@ -45,6 +48,42 @@ class Write:
     def describe(self) -> str:
         where = self.site[0] if self.site else "a frame inside torch"
         return f"{self.op} at {where} in {self.phase}"
+
+
+MAX_NAMED_UNCHANGED = 2  # writes that changed nothing, named before the one that changed the tensor
+
+
+@dataclass
+class Writes:
+    """What the write watch saw of one watched tensor: the first in-place write that changed its
+    bits, and the writes before it that left them as they were."""
+
+    changed_by: Write | None = None
+    unchanged: list[Write] = field(default_factory=list)  # the first MAX_NAMED_UNCHANGED
+    unchanged_count: int = 0
+
+    def describe(self) -> str:
+        """The part of the message that names the writes."""
+        parts = []
+        if self.changed_by is not None:
+            parts.append(f"first in-place write that changed it: {self.changed_by.describe()}")
+        else:  # changed by something the watch does not see (a raw pointer, another process)
+            parts.append("no in-place write that the watch saw changed it")
+        n = self.unchanged_count
+        if n:
+            named = ", ".join(w.describe() for w in self.unchanged)
+            more = f" and {n - len(self.unchanged)} more" if n > len(self.unchanged) else ""
+            before = "earlier " if self.changed_by is not None else ""
+            parts.append(f"{n} {before}in-place write{'s' if n > 1 else ''} left it unchanged: {named}{more}")
+        return "; ".join(parts)
+
+    def to_details(self) -> dict[str, Any]:
+        details: dict[str, Any] = {"unchanged_writes": self.unchanged_count,
+                                   "unchanged": [w.describe() for w in self.unchanged]}
+        if self.changed_by is not None:
+            w = self.changed_by
+            details |= {"op": w.op, "site": w.site, "write_phase": w.phase}
+        return details
 
 
 @dataclass
@@ -62,7 +101,8 @@ class InputGuard:
 
     rank: int
     watched: list[_Watched] = field(default_factory=list)
-    writes: dict[int, Write] = field(default_factory=dict)  # id(watched entry) -> first write
+    writes: dict[int, Writes] = field(default_factory=dict)  # id(watched entry) -> what the watch saw
+    watching: bool = False  # whether the write watch ran (it ran for the whole of a phase or not at all)
 
     def watch(self, name: str, given: Any, original: torch.Tensor | None, locate: Locate) -> None:
         """Watch ``given`` (a tensor the target receives); ``original`` holds its values as they
@@ -95,18 +135,26 @@ class InputGuard:
         first = int(changed[0])
         where, words = w.locate(first)
         given, original = w.given.detach().reshape(-1), w.original.reshape(-1)
-        now, was = given[first].item(), original[first].item()
-        write = self.writes.get(id(w))
-        site = f"; first in-place write: {write.describe()}" if write else ""
+        now, was = given[first], original[first]
+        if now.dtype == was.dtype:
+            shown_was, shown_now, gap = apart(was, now, was.dtype)
+        else:  # the tensor itself was replaced by one of another dtype
+            shown_was, shown_now, gap = f"{was.item()} ({_name(was.dtype)})", f"{now.item()} ({_name(now.dtype)})", ""
         message = (f"{w.name} changed in {phase}: {changed.numel()} of {given.numel()} elements, first at "
-                   f"{words} (was {was:.6g}, now {now:.6g}){site}")
+                   f"{words} (was {shown_was}, now {shown_now}{gap})")
         details: dict[str, Any] = {"changed": changed.numel(), "elements": given.numel()}
-        if write is not None:
-            details |= {"op": write.op, "site": write.site, "write_phase": write.phase}
+        if self.watching:
+            seen = self.writes.get(id(w), Writes())
+            message += f"; {seen.describe()}"
+            details |= seen.to_details()
         else:
             details[EXPLAIN] = True  # the write watch, on a run again, names its call site
-        return Failure(INPUT_MUTATED, message, [self.rank], field=w.name, phase=phase, got=float(now),
-                       want=float(was), details=details, **where)
+        return Failure(INPUT_MUTATED, message, [self.rank], field=w.name, phase=phase, got=float(now.item()),
+                       want=float(was.item()), details=details, **where)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _changed(given: torch.Tensor, original: torch.Tensor) -> torch.Tensor | None:
@@ -136,7 +184,9 @@ def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
 
 
 class _WriteWatch(TorchDispatchMode):
-    """Records the first op that writes into a watched tensor's storage."""
+    """Finds, for each watched tensor, the first op that writes into its storage and changes its
+    bits: the tensor is copied before each such write and compared after it, until one changed
+    it (a copy per write into a watched tensor, only while explaining)."""
 
     def __init__(self, guard: InputGuard) -> None:
         super().__init__()
@@ -146,27 +196,47 @@ class _WriteWatch(TorchDispatchMode):
     def __enter__(self) -> _WriteWatch:
         # the storages are read on entry: the backward's gradients are registered before it
         self.storages = {}
+        self.guard.watching = True
         for w in self.guard.watched:
-            self.storages.setdefault(w.given.untyped_storage().data_ptr(), []).append(w)
+            if w.found_in is None:  # a tensor already reported is not followed further
+                self.storages.setdefault(w.given.untyped_storage().data_ptr(), []).append(w)
         return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        written = _written_arguments(func)
-        if written and self.storages:
-            for pos, name in written:
-                value = args[pos] if pos < len(args) else kwargs.get(name)
-                for t in trace.tensors_in(value):
-                    if t.numel() and t.untyped_storage().data_ptr() in self.storages:
-                        self._record(func, t)
-        return func(*args, **kwargs)
+        hit = self._written(func, args, kwargs) if self.storages else []
+        if not hit:
+            return func(*args, **kwargs)
+        # an in-place collective's output lands when its work is waited on, not when the op
+        # returns: its effect cannot be seen here, so it counts as a change
+        later = getattr(func, "namespace", "") == "c10d"
+        before = [None if later else w.given.detach().clone() for w in hit]
+        out = func(*args, **kwargs)
+        phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+        write = Write(str(func), phase, trace.call_stack(trace.STACK_SHOWN, sys._getframe(1)))
+        for w, kept in zip(hit, before):
+            seen = self.guard.writes.setdefault(id(w), Writes())
+            if kept is None or _changed(w.given.detach(), kept) is not None:
+                seen.changed_by = write
+            else:
+                seen.unchanged_count += 1
+                if len(seen.unchanged) < MAX_NAMED_UNCHANGED:
+                    seen.unchanged.append(write)
+        return out
 
-    def _record(self, func: Any, t: torch.Tensor) -> None:
-        for w in self.storages[t.untyped_storage().data_ptr()]:
-            if id(w) not in self.guard.writes:
-                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
-                self.guard.writes[id(w)] = Write(str(func), phase, trace.call_stack(trace.STACK_SHOWN,
-                                                                                    sys._getframe(1)))
+    def _written(self, func: Any, args: tuple, kwargs: dict) -> list[_Watched]:
+        """The watched tensors whose storage this op writes into and whose change is not yet
+        explained, each once."""
+        hit: dict[int, _Watched] = {}
+        for pos, name in _written_arguments(func):
+            value = args[pos] if pos < len(args) else kwargs.get(name)
+            for t in trace.tensors_in(value):
+                if t.numel():
+                    for w in self.storages.get(t.untyped_storage().data_ptr(), ()):
+                        seen = self.guard.writes.get(id(w))
+                        if seen is None or seen.changed_by is None:
+                            hit.setdefault(id(w), w)
+        return list(hit.values())
 
 
 def guard_inputs(rank: int, layout: Any, data: Any, inputs: Any, leaf: torch.Tensor) -> InputGuard:
