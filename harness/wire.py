@@ -139,11 +139,13 @@ INVARIANCE_VIOLATION = "invariance_violation"
 # the framework's data path lost a (sample, position), held one twice, gave a CP rank's TP ranks
 # different rows, or laid the real tokens out differently from their positions
 LAYOUT_MISMATCH = "layout_mismatch"
+# a deadline the machine missed: the rank waited for a CPU through much of it (not the target's)
+TIMEOUT = "timeout"
 KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION,
-         LAYOUT_MISMATCH)
+         LAYOUT_MISMATCH, TIMEOUT)
 # The kinds that name where a run stopped (a rank raised, died or hung; ranks diverged): listed
 # first in a verdict, with where each rank runs. Any other kind, a check's own, is rendered alike.
-ROOT_CAUSES = (RANK_ERROR, COLLECTIVE_MISMATCH)
+ROOT_CAUSES = (RANK_ERROR, COLLECTIVE_MISMATCH, TIMEOUT)
 # A failure's detail saying that running the scenario again with Checks.explain would name its
 # call site (the write watch, the forward stack of a backward call): the controller does so.
 EXPLAIN = "explain"
@@ -212,11 +214,12 @@ class RankResult:
     received_at: float | None = None  # set by the controller on arrival
 
     @classmethod
-    def error(cls, rank: int, message: str, *, desync: bool, details: dict[str, Any] | None = None
-              ) -> RankResult:
-        """A rank that raised, died or hung: one ``rank_error`` naming it."""
+    def error(cls, rank: int, message: str, *, desync: bool, details: dict[str, Any] | None = None,
+              kind: str = "rank_error") -> RankResult:
+        """A rank that raised, died or hung: one ``rank_error`` naming it (or a ``timeout``: a
+        deadline the machine missed)."""
         now = time.time()
-        failure = Failure(RANK_ERROR, message, [rank], details={"at": now, **(details or {})})
+        failure = Failure(kind, message, [rank], details={"at": now, **(details or {})})
         return cls(rank, None, [failure], desync=desync, received_at=now)
 
     def to_wire(self) -> dict[str, Any]:

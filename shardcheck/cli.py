@@ -1,8 +1,10 @@
 """``shardcheck`` command line: run, invariance, fuzz, bisect, suites, targets.
 
 Exit status: 0 every scenario passed (or was skipped), 1 some scenario failed, 2 bad input or
-configuration (one line on stderr naming the problem), 5 nothing was checked (every scenario was
-skipped; ``--allow-all-skipped`` makes that 0), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+configuration (one line on stderr naming the problem), 3 no scenario failed but some timed out
+because the machine was too slow (its ranks waited for a CPU: no finding either way), 5 nothing was
+checked (every scenario was skipped; ``--allow-all-skipped`` makes that 0), 130 interrupted
+(Ctrl-C), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations

@@ -906,3 +906,76 @@ class GradScaledInPlaceAndCorruptValue(BuiltinTarget):
             out.log_probs[SAMPLE] = out.log_probs[SAMPLE] + bump
         out.log_probs = [_LossScaled.apply(lp) if lp.requires_grad else lp for lp in out.log_probs]
         return out
+
+
+class CallsElsewhereWhilePeersWait(BuiltinTarget):
+    """builtin at tp 2 cp 2, except that before the real work the CP-rank-1 TP group (ranks 2, 3)
+    spends 4 s on 40 small all-reduces among themselves, while ranks 0 and 1 do the same calls at
+    once and then wait for them in a CP-group all-reduce: slow, making progress, never hung"""
+
+    name = "plants:CallsElsewhereWhilePeersWait"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import time
+
+        import torch.distributed as dist
+
+        for _ in range(40):
+            if inputs.cp_rank == 1:
+                time.sleep(0.1)
+            dist.all_reduce(torch.zeros(1), group=inputs.tp_group)
+        dist.all_reduce(torch.zeros(1), group=inputs.cp_group)
+        return super().compute(inputs)
+
+
+def hog_cpu() -> int:
+    """The CPU StarvedOnRankOne's rank 1 and the test's hog share."""
+    return max(os.sched_getaffinity(0))
+
+
+class StarvedOnRankOne(BuiltinTarget):
+    """builtin, except that rank 1 first moves onto hog_cpu() at SCHED_IDLE (it runs only when that
+    CPU has nothing else to do) and does 0.3 s of work: with a busy process on that CPU it waits
+    for the CPU, not for its code"""
+
+    name = "plants:StarvedOnRankOne"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import time
+
+        if _global_rank() == 1:
+            os.sched_setaffinity(0, {hog_cpu()})
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            spent = time.process_time()
+            while time.process_time() - spent < 0.3:
+                pass
+        return super().compute(inputs)
+
+
+class SlowPerRank(BuiltinTarget):
+    """builtin, except that every rank first sleeps 1 s: slow, never hung"""
+
+    name = "plants:SlowPerRank"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import time
+
+        time.sleep(1.0)
+        return super().compute(inputs)
+
+
+class StarvedEverywhere(BuiltinTarget):
+    """builtin, except that each rank first moves onto hog_cpu() at SCHED_IDLE and does 0.3 s of
+    work (a simulation process: every simulated rank is it)"""
+
+    name = "plants:StarvedEverywhere"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import time
+
+        os.sched_setaffinity(0, {hog_cpu()})
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        spent = time.process_time()
+        while time.process_time() - spent < 0.3:
+            pass
+        return super().compute(inputs)

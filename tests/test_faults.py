@@ -386,3 +386,57 @@ def test_a_run_stopped_early_says_how_many_of_how_many(world):
     with pytest.raises(KeyboardInterrupt):
         runner.run(scenarios, "builtin", reporter=StopAfterOne(out=out, err=io.StringIO()), world=world)
     assert "\n1 of 3 scenarios: 1 passed, 0 failed, 0 skipped in " in out.getvalue(), out.getvalue()
+
+
+# -- blame: deadlines follow progress; a busy machine's deadline is not the target's -------------
+TP2CP2 = Scenario("tp2cp2", (Sample(12, 4), Sample(9, 3)), vocab=8, tp=2, cp=2, layout="zigzag", seed=1)
+
+
+def test_ranks_still_issuing_calls_are_not_hung():
+    """Ranks 2 and 3 take 4 s of calls among themselves while ranks 0 and 1 wait for them, with
+    a 1 s timeout: the wait (lockstep's and the controller's) runs from the last call anywhere."""
+    with SpawnedWorld(4, timeout=1) as world:
+        _, v = _one(world, "plants:CallsElsewhereWhilePeersWait", TP2CP2)
+    assert v.status == "pass", [f.message for f in v.failures]
+    assert v.seconds > 4.0
+
+
+def test_the_rank_that_did_not_come_heads_the_verdict_when_replicas_finished():
+    """World 4 at tp 2: ranks 2 and 3 (a data-parallel replica) finish; rank 0 waits for rank 1,
+    which spins. The first line blames rank 1, at once (not at the controller's deadline)."""
+    with SpawnedWorld(4, timeout=2) as world:
+        _, v = _one(world, "plants:SpinsOnRankOne")
+    head = v.failures[0]
+    assert head.ranks == [1] and head.message.startswith("rank 1 hung: it did not arrive where ranks [0]"), \
+        [f.message for f in v.failures]
+    assert v.status == "fail" and v.seconds < 2 + 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()),
+                    reason="no schedstat: how long a rank waited for a CPU cannot be known here")
+def test_a_deadline_missed_while_waiting_for_a_cpu_is_a_timeout_not_the_targets(tmp_path):
+    """Rank 1 runs at SCHED_IDLE on a CPU a busy process holds: it waits for the CPU, its peer
+    for it. The verdict is timeout (exit status 3), not the target's rank_error; without the busy
+    process the same target passes."""
+    from plants import hog_cpu
+
+    hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass"
+                            % hog_cpu()])
+    try:
+        with SpawnedWorld(2, timeout=2) as world:
+            result, v = _one(world, "plants:StarvedOnRankOne")
+    finally:
+        hog.kill()
+        hog.wait()
+    assert v.status == "timeout" and result.exit_code == 3, [(f.kind, f.message) for f in v.failures]
+    head = v.failures[0]
+    assert head.kind == "timeout" and head.ranks == [1] and "for a CPU" in head.message, head.message
+    from shardcheck.harness.controller.html_report import write_verdicts
+    from shardcheck.harness.controller.report import render_table
+
+    assert "0 failed, 0 skipped, 1 timed out (the machine was too slow" in render_table([v], result.info)
+    write_verdicts(str(tmp_path / "p.html"), {"summary": {"timeout": 1, "total": 1}}, [v], lambda _: 0)
+    assert "1 timed out" in (tmp_path / "p.html").read_text()
+    with SpawnedWorld(2, timeout=2) as world:
+        _, calm = _one(world, "plants:StarvedOnRankOne")
+    assert calm.status == "pass", [f.message for f in calm.failures]

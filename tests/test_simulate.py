@@ -2,6 +2,9 @@
 world, builtin clean, the command's search with its replay on a real world, and bad input."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -106,3 +109,37 @@ def test_a_scenario_file_with_a_vocab_tp_does_not_divide_is_one_line(cli_in_proc
     path.write_text(json.dumps({"name": "x", "samples": [[9, 4]], "vocab": 33, "tp": 2}))
     proc = cli_in_process("simulate", "--scenario-file", str(path))
     assert proc.returncode == 2 and "vocab 33 is not divisible by tp 2" in proc.stderr
+
+
+def test_a_simulation_still_going_rank_after_rank_is_not_hung():
+    """Four simulated ranks of 1 s each, with a 2 s timeout: each rank has the timeout to itself
+    (the deadline follows the simulation's progress), so 4 s in all pass."""
+    sc = Scenario("slow4", (Sample(12, 4),), vocab=8, tp=4)
+    with FakeWorld([4], timeout=2, workers=1) as w:
+        runner.run([sc], "builtin", reporter=SilentReport(), world=w)  # the process's imports, done once
+        result = runner.run([sc], "plants:SlowPerRank", reporter=SilentReport(), world=w)
+    v = result.verdicts[0]
+    assert v.status == "pass" and v.seconds > 4.0, [f.message for f in v.failures]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()),
+                    reason="no schedstat: how long a process waited for a CPU cannot be known here")
+def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target():
+    """The simulation process runs at SCHED_IDLE on a CPU a busy process holds: the deadline it
+    misses is the machine's (timeout, exit status 3), not 'a target that never returns'."""
+    from plants import hog_cpu
+
+    sc = Scenario("starved", (Sample(12, 4),), vocab=8, tp=2)
+    hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass"
+                            % hog_cpu()])
+    try:
+        with FakeWorld([2], timeout=2, workers=1) as w:
+            runner.run([sc], "builtin", reporter=SilentReport(), world=w)  # the process's imports, done once
+            result = runner.run([sc], "plants:StarvedEverywhere", reporter=SilentReport(), world=w)
+    finally:
+        hog.kill()
+        hog.wait()
+    v = result.verdicts[0]
+    assert v.status == "timeout" and result.exit_code == 3, [(f.kind, f.message) for f in v.failures]
+    assert "simulated rank 0 gave no result within 2s" in v.failures[0].message
+    assert "for a CPU" in v.failures[0].message

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardcheck.harness import wire
-from shardcheck.harness.wire import RANK_ERROR, Checks, Failure, RankResult
+from shardcheck.harness.controller.cpu_wait import CpuWait
+from shardcheck.harness.wire import RANK_ERROR, TIMEOUT, Checks, Failure, RankResult
 
 BACKEND = "fake"
 NOTE = "simulated: collectives checked for symmetry on torch's fake process group; values are not checked"
@@ -44,6 +45,7 @@ class FakeWorld:
         self.events: list[str] = []
         self.progress: Callable[[int], None] | None = None
         self._children: list[tuple[Any, Any]] = []  # (process, connection)
+        self._cpu_wait = CpuWait()  # whose a missed deadline is: the target's, or the busy machine's
         self._seq = 0
 
     @property
@@ -78,19 +80,33 @@ class FakeWorld:
         world = int(scenario["tp"]) * int(scenario.get("cp", 1))
         used = self._children[:min(len(self._children), max(1, world // PARALLEL_FROM) if world >= PARALLEL_FROM else 1)]
         share = -(-world // len(used))
-        deadline = time.perf_counter() + self.timeout
         results, labels = [], {}
         try:
             for i, (_, conn) in enumerate(used):
                 conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=self._seq,
                                        checks=checks.to_wire(), settings=wire.target_settings(),
                                        ranks=list(range(i * share, min(world, (i + 1) * share)))))
-            for _, conn in used:
-                if not conn.poll(max(0.0, deadline - time.perf_counter())):
-                    self.close()  # it never answered: end it, as a hung rank is ended
-                    return self._everyone(world, f"the simulated ranks gave no result within {self.timeout:g}s "
-                                                 "(a target that never returns)")
-                kind, payload = conn.recv()
+            for proc, conn in used:
+                # each simulated rank has the timeout to itself: the deadline follows progress
+                deadline, current = time.perf_counter() + self.timeout, None
+                while True:
+                    left = deadline - time.perf_counter()
+                    if left <= 0 or not conn.poll(min(left, 1.0)):
+                        self._cpu_wait.sample([proc.pid])
+                        if left > 0:
+                            continue
+                        starved = self._cpu_wait.starved(proc.pid, self.timeout)
+                        self.close()  # it never answered: end it, as a hung rank is ended
+                        who = f"simulated rank {current}" if current is not None else "the simulated ranks"
+                        if starved:
+                            return self._everyone(world, f"{who} gave no result within {self.timeout:g}s; {starved}",
+                                                  kind=TIMEOUT)
+                        return self._everyone(world, f"{who} gave no result within {self.timeout:g}s "
+                                                     "(a target that never returns)")
+                    kind, payload = conn.recv()
+                    if kind != "starting":
+                        break
+                    deadline, current = time.perf_counter() + self.timeout, payload
                 if kind != "results":
                     self.close()
                     return self._everyone(world, f"the simulation failed: {payload.get('type')}: "
@@ -104,8 +120,8 @@ class FakeWorld:
             return self._everyone(world, f"a simulation process died (exit codes {codes})")
         return judge(results, labels, checks.trace_calls)
 
-    def _everyone(self, world: int, message: str) -> list[RankResult]:
-        failure = Failure(RANK_ERROR, message, list(range(world)))
+    def _everyone(self, world: int, message: str, kind: str = RANK_ERROR) -> list[RankResult]:
+        failure = Failure(kind, message, list(range(world)))
         return [RankResult(r, self._seq, [failure] if r == 0 else [], {}, 0.0, {}, [], False) for r in range(world)]
 
     def close(self) -> None:

@@ -134,7 +134,7 @@ class _Search:
         restarts = sum(self.world.startup_seconds[starts:])  # after a hang: stated apart, like the first
         r.scenario_seconds += time.perf_counter() - started - restarts
         self.cache[sc.key] = verdict
-        r.counts[verdict.status] += 1
+        r.counts[verdict.status] = r.counts.get(verdict.status, 0) + 1  # a timeout: no finding, searched on
         if verdict.status == SKIP:
             self.skip_reason = verdict.reason or self.skip_reason
         if shrinking:

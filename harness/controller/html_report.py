@@ -85,6 +85,8 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     if summary:
         lines.append(f"<p>{scenario_count(summary.get('total', 0), doc.get('planned'))}: {summary.get('pass', 0)} passed, "
                      f"{summary.get('fail', 0)} failed, {summary.get('skip', 0)} skipped"
+                     + (f", {summary['timeout']} timed out (the machine was too slow: no finding either way)"
+                        if summary.get("timeout") else "")
                      + ("" if doc.get("complete", True) else " <b>(incomplete: the run did not finish)</b>") + "</p>")
     defined = target.get("definitions") or {}
     if defined:
@@ -104,7 +106,7 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     kinds = sorted({k for s in doc["scenarios"] for k in s.get("kinds") or []})
     lines.append("<h2>Scenarios</h2><form id=filter class=muted>show: "
                  + "".join(f"<label><input type=checkbox name=verdict value={v} checked> {v}</label> "
-                           for v in ("pass", "fail", "skip"))
+                           for v in ("pass", "fail", "skip", "timeout"))
                  + "<label>kind <select name=kind><option value=''>any</option>"
                  + "".join(f"<option>{_e(k)}</option>" for k in kinds) + "</select></label></form>")
     lines.append("<table id=scenarios><tr><th>scenario<th>layout<th>tp<th>cp<th>verdict<th>kinds<th>detail</tr>")
@@ -476,7 +478,8 @@ class SessionHtmlReport:
 
     def _write(self) -> None:
         statuses = [v.status for v in self.verdicts]
-        self.doc["summary"] = {k: statuses.count(k) for k in ("pass", "fail", "skip")} | {"total": len(statuses)}
+        self.doc["summary"] = {k: statuses.count(k) for k in ("pass", "fail", "skip")} | (
+            {"timeout": statuses.count("timeout")} if "timeout" in statuses else {}) | {"total": len(statuses)}
         self.guard(write_verdicts, self.path, self.doc, self.verdicts, lambda v: 0)  # in the order they came
 
     @property

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from shardcheck.harness.controller import reach_report
 from shardcheck.harness.controller.report_file import GuardedWrites, remove_quietly, sweep_beside, temp_beside
-from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, RunInfo, Verdict
+from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, TIMED_OUT, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 MAX_FAILURES_SHOWN = 8
@@ -35,7 +35,10 @@ def visible(text: Any) -> str:
 
 
 def _counts(verdicts: list[Verdict]) -> dict[str, int]:
-    return {k: sum(v.status == k for v in verdicts) for k in (PASS, FAIL, SKIP)} | {"total": len(verdicts)}
+    counts = {k: 0 for k in (PASS, FAIL, SKIP)}
+    for v in verdicts:
+        counts[v.status] = counts.get(v.status, 0) + 1  # timed out: only where some did
+    return counts | {"total": len(verdicts)}
 
 
 class JsonReport:
@@ -108,8 +111,7 @@ class JsonReport:
     def add(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)
         summary = self.doc["summary"]
-        if verdict.status in (PASS, FAIL, SKIP):
-            summary[verdict.status] += 1
+        summary[verdict.status] = summary.get(verdict.status, 0) + 1
         summary["total"] += 1
         self._guarded(self._place, verdict)
 
@@ -268,6 +270,7 @@ class TerminalReport:
 
     def start(self, info: RunInfo, scenarios: list[Scenario]) -> None:
         self.total, self.t0 = len(scenarios), time.perf_counter()
+        self.counts = {PASS: 0, FAIL: 0, SKIP: 0}
         self.order = suite_order(scenarios)
         total = self.total
         t = info.target
@@ -279,9 +282,12 @@ class TerminalReport:
         self.verdicts.append(verdict)
         if self.quiet:
             return
-        c = _counts(self.verdicts)
+        c = self.counts  # kept up, not counted again: a run of half a million scenarios
+        c[verdict.status] = c.get(verdict.status, 0) + 1
+        timed = f" {c[TIMED_OUT]} timed out" if c.get(TIMED_OUT) else ""
         line = (f"[{len(self.verdicts):>{len(str(self.total))}}/{self.total}] {time.perf_counter() - self.t0:6.1f}s "
-                f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped  {verdict.status:<4} {visible(verdict.scenario.name)}")
+                f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped{timed}  {verdict.status:<4} "
+                f"{visible(verdict.scenario.name)}")
         show_progress(self.err, line, self.live)
 
     def world_starting(self, what: str, seconds: float) -> None:
@@ -345,7 +351,9 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
     if not info.inplace:
         lines.append("not checked: whether the target leaves its inputs unchanged (--no-inplace)")
     lines.append(
-        f"{scenario_count(c['total'], planned)}: {c[PASS]:,} passed, {c[FAIL]:,} failed, {c[SKIP]:,} skipped "
+        f"{scenario_count(c['total'], planned)}: {c[PASS]:,} passed, {c[FAIL]:,} failed, {c[SKIP]:,} skipped"
+        + (f", {c[TIMED_OUT]:,} timed out (the machine was too slow: no finding either way)" if c.get(TIMED_OUT) else "")
+        + " "
         f"in {info.wall_seconds:.1f}s"
         + (f" (world start-up {sum(start):.1f}s, {len(start)} start{'s' if len(start) != 1 else ''}, "
            f"{info.ranks} ranks)" if start else "")

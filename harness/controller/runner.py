@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardcheck.harness.controller.verdict import FAIL, SKIP, RunInfo, Verdict, merge
+from shardcheck.harness.controller.verdict import FAIL, SKIP, TIMED_OUT, RunInfo, Verdict, merge
 from shardcheck.harness.controller.reach_report import Reach
 from shardcheck.harness.controller.worlds import World, world_for
 from shardcheck.harness import wire
@@ -31,7 +31,9 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(v.status == FAIL for v in self.verdicts) else 0
+        if any(v.status == FAIL for v in self.verdicts):
+            return 1
+        return 3 if any(v.status == TIMED_OUT for v in self.verdicts) else 0
 
 
 _RESOLVED: dict[tuple, Target] = {}
@@ -153,7 +155,7 @@ def run(
                 # the call site of an in-place write, and where a backward collective's autograd
                 # node was made, are found by watches too dear to keep on: run the scenario again
                 # with them (every rank decides the same, from the verdict)
-                again = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=True, explain=True))
+                again = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace, explain=True))
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
                 info.target = results[0].target

@@ -15,6 +15,7 @@ from shardcheck.harness.wire import (  # noqa: F401  (the kinds, re-exported for
     KINDS,
     RANK_ERROR,
     ROOT_CAUSES,
+    TIMEOUT,
     VALUE_MISMATCH,
     Failure,
     RankResult,
@@ -23,6 +24,9 @@ from shardcheck.harness.controller.layout_check import coverage_failures
 from shardcheck.scenarios.scenario import Scenario
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
+# a deadline the machine missed (its ranks waited for a CPU): no finding either way; exit status 3
+TIMED_OUT = "timeout"
+STATUSES = (PASS, FAIL, SKIP, TIMED_OUT)
 
 
 @dataclass
@@ -140,13 +144,26 @@ def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verd
         for k, v in res.max_error.items():
             worst[k] = max(worst.get(k, 0.0), v)
     traces = {r: res.trace for r, res in enumerate(results) if res.trace}
-    return Verdict(scenario, FAIL if failures else PASS, failures, None, seconds, worst, traces, layouts)
+    return Verdict(scenario, _status(failures), failures, None, seconds, worst, traces, layouts)
+
+
+def _status(failures: list[Failure]) -> str:
+    """FAIL for any finding; TIMED_OUT when the only failures are deadlines the machine missed
+    and its peers' reports of waiting for the ranks that missed them."""
+    if not failures:
+        return PASS
+    if any(f.kind == TIMEOUT for f in failures) and all(
+            f.kind == TIMEOUT or "waited_for" in f.details for f in failures):
+        return TIMED_OUT
+    return FAIL
 
 
 def _order(f: Failure) -> tuple:
-    # rank errors first, earliest first (the root cause; peers' timeouts follow), then by position
+    # rank errors first, a rank blamed for not coming first of all, then earliest first (the root
+    # cause; peers' timeouts follow), then by position
     return (
         0 if f.kind in ROOT_CAUSES else 1,
+        0 if f.details.get("blamed") else 1,
         f.details.get("at", 0.0),
         "count" in f.details,  # "... N more" summaries after the findings they summarise
         f.sample if f.sample is not None else -1,

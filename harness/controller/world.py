@@ -25,8 +25,9 @@ from typing import Any
 from shardcheck.errors import WorldError
 from shardcheck.harness import wire
 from shardcheck.harness.controller import leftovers, memory
+from shardcheck.harness.controller.cpu_wait import CpuWait
 from shardcheck.harness.rank.main import rank_main
-from shardcheck.harness.wire import Checks, Failure, RankResult
+from shardcheck.harness.wire import TIMEOUT, Checks, Failure, RankResult
 
 
 
@@ -52,6 +53,7 @@ class SpawnedWorld:
         self._output: dict[str, set[int]] = {}
         self._output_read: dict[tuple[int, int], int] = {}
         self._rss: dict[int, int] = {}  # each rank's resident size when last seen
+        self._cpu_wait = CpuWait()  # how long each rank waited for a CPU: whose a missed deadline is
         self._oom_kills: int | None = None
         # what happened to the world outside any scenario (a rank that died while idle), in words
         self.events: list[str] = []
@@ -196,16 +198,23 @@ class SpawnedWorld:
         results: dict[int, RankResult] = {}
         died: list[int] = []
         limit = self.timeout + min(10.0, max(2.0, self.timeout))  # ranks time out first, by themselves
-        deadline = time.perf_counter() + limit
+        # The deadline follows progress: a result, or a key set in the store (a call announced
+        # in lockstep, a status), starts it again. Ranks still working through calls are not hung.
+        t_start = time.perf_counter()
+        deadline, keys = t_start + limit, self._keys()
         while len(results) < self.nproc:
             pending = [r for r in range(self.nproc) if r not in results]
+            now_keys = self._keys()
+            if now_keys != keys:
+                keys, deadline = now_keys, time.perf_counter() + limit
             left = deadline - time.perf_counter()
             if left <= 0:
                 if died:
                     why = f"stopped after rank {died[0]} died: no result within {limit:.0f}s"
                 else:
-                    why = f"hung: no result within {limit:.0f}s"
-                self._end_hung(pending, results, why)
+                    why = f"hung: no result and no call anywhere within {limit:.0f}s"
+                # a hang is the cause, the peers' timeouts its consequence; after a death, the death
+                self._end_hung(pending, results, why, blamed=not died, window=limit)
                 break
             waited = self._waited_for(pending, results)
             if waited is not None:  # every other rank gave up waiting for these: no need to wait on
@@ -214,12 +223,14 @@ class SpawnedWorld:
             ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
                          timeout=min(left, 1.0))
             self._sample_memory(pending)
+            self._cpu_wait.sample([self._procs[r].pid for r in pending])
             for r in pending:
                 dead = self._procs[r].sentinel in ready
                 if self._conns[r] in ready:
                     try:
                         name, kwargs = self._conns[r].recv()
                         getattr(self, "_on_" + name)(r, seq, kwargs, results)
+                        deadline = time.perf_counter() + limit
                         continue
                     except (EOFError, OSError):  # the pipe closed: the rank is gone
                         dead = True
@@ -249,21 +260,27 @@ class SpawnedWorld:
         self._healthy = False
 
     def _waited_for(self, pending: list[int], results: dict[int, RankResult]) -> list[Failure] | None:
-        """The answered ranks' reports of waiting in vain, when every answered rank stopped so
-        and only ``pending`` ranks are left (they are then the ones that did not come)."""
+        """The answered ranks' reports of waiting in vain, when every rank still pending is one a
+        peer waited for (the others answered: finished, as data-parallel replicas do, or waiting)."""
         if not pending or not results:
             return None
         waits = [f for res in results.values() for f in res.failures if "waited_for" in f.details]
-        answered_waiting = {f.ranks[0] for f in waits if f.ranks}
-        return waits if answered_waiting == set(results) else None
+        named = {r for f in waits for r in f.details.get("waited_for_ranks", [])}
+        return waits if waits and set(pending) <= named else None
 
     def _end_stragglers(self, pending: list[int], results: dict[int, RankResult], waits: list[Failure]) -> None:
         peers = sorted({r for f in waits for r in f.ranks})
         waited = waits[0].details["waited_for"]
-        # "at": when its peers began to wait for it, so this, the cause, heads the verdict
         self._end(pending, results,
                   lambda r, where: f"rank {r} hung: it did not arrive where ranks {peers} {waited}; rank {r} was at {where}",
-                  at=min(f.details.get("at", time.time()) for f in waits) - self.timeout)
+                  blamed=True, window=self.timeout)
+
+    def _keys(self) -> int | None:
+        """How many keys the world's store holds: a count that moves is ranks making progress."""
+        try:
+            return self._store.num_keys()
+        except Exception:  # noqa: BLE001  (no count: the deadline runs from the last result)
+            return None
 
     def _kill(self, ranks: list[int]) -> None:
         """End ranks that will not answer a polite stop (busy, or stuck in a collective)."""
@@ -316,19 +333,28 @@ class SpawnedWorld:
     def _on_ready(self, rank: int, seq: int, kwargs: dict[str, Any], results: dict[int, Any]) -> None:
         """Emitted once per start; late ones are harmless."""
 
-    def _end_hung(self, pending: list[int], results: dict[int, Any], why: str) -> None:
-        self._end(pending, results, lambda r, where: f"rank {r} {why}; it was at {where}")
+    def _end_hung(self, pending: list[int], results: dict[int, Any], why: str, *, blamed: bool,
+                  window: float) -> None:
+        self._end(pending, results, lambda r, where: f"rank {r} {why}; it was at {where}", blamed=blamed,
+                  window=window)
 
-    def _end(self, pending: list[int], results: dict[int, Any], say: Callable[[int, str], str],
-             at: float | None = None) -> None:
+    def _end(self, pending: list[int], results: dict[int, Any], say: Callable[[int, str], str], *,
+             blamed: bool, window: float) -> None:
         """End ranks that gave no result, each with ``say(rank, where it was)``; the world is
-        closed (it restarts before the next scenario)."""
+        closed (it restarts before the next scenario). ``blamed``: they are the cause (the rank
+        that did not come heads the verdict). A rank that waited for a CPU through much of the
+        last ``window`` seconds missed its deadline because of the machine: a ``timeout``."""
+        starved = {r: self._cpu_wait.starved(self._procs[r].pid, window) for r in pending}
         stacks = self._stacks(pending)
         self._kill(pending)
         for r in pending:
-            details = {"stack": stacks.get(r, "")} | ({"at": at} if at is not None else {})
-            results[r] = RankResult.error(r, say(r, stacks.get(r) or "no stack available"), desync=True,
-                                          details=details)
+            details = {"stack": stacks.get(r, "")} | ({"blamed": True} if blamed else {})
+            said = say(r, stacks.get(r) or "no stack available")
+            if starved[r]:
+                results[r] = RankResult.error(r, f"{said}; {starved[r]}", desync=True, details=details,
+                                              kind=TIMEOUT)
+            else:
+                results[r] = RankResult.error(r, said, desync=True, details=details)
         self._healthy = False
         self.close()
 

@@ -30,9 +30,10 @@ FAKE = "fake"
 
 
 def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, checks: Checks,
-              ranks: list[int]) -> list[tuple[RankResult, dict[str, str]]]:
+              ranks: list[int], starting: Any = None) -> list[tuple[RankResult, dict[str, str]]]:
     """The scenario on each of ``ranks`` of its ``tp * cp`` world in turn: per rank, its result
-    (with its whole trace) and what each group it called in is for ("tp", "cp", ...)."""
+    (with its whole trace) and what each group it called in is for ("tp", "cp", ...).
+    ``starting(rank)`` is told as each begins (the controller's deadline follows it)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -42,6 +43,8 @@ def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, chec
     traced = dataclasses.replace(checks, trace_calls=True, reference=False)
     out = []
     for rank in ranks:
+        if starting is not None:
+            starting(rank)
         dist.init_process_group(FAKE, store=FakeStore(), rank=rank, world_size=world)
         try:
             runner.rank = rank
@@ -99,7 +102,8 @@ labels out, until ``stop`` or EOF."""
             wire.apply_settings(kwargs.get("settings", {}))
             checks = Checks.from_wire(kwargs["checks"])
             try:
-                done = run_ranks(runner, kwargs["scenario"], kwargs["target"], kwargs["seq"], checks, kwargs["ranks"])
+                done = run_ranks(runner, kwargs["scenario"], kwargs["target"], kwargs["seq"], checks, kwargs["ranks"],
+                                 starting=lambda rank: conn.send(("starting", rank)))
                 conn.send(("results", [(r.to_wire(), labels) for r, labels in done]))
             except BaseException as exc:  # noqa: BLE001  (the fake world itself failed: say so)
                 conn.send(("fatal", wire.error_payload(exc)))

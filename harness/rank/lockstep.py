@@ -69,7 +69,12 @@ class PeerStopped(RuntimeError):
 
 
 class LockstepTimeout(RuntimeError):
-    """Peers neither arrived nor said why within the scenario's timeout."""
+    """Peers neither arrived nor said why, and nobody in the world issued a call, within the
+    scenario's timeout."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 class Lockstep:
@@ -161,6 +166,9 @@ class Lockstep:
         same: set[int] = set()
         published: list[int] | None = None
         cycle_seen = None
+        # The wait's deadline follows the world's progress: a key set anywhere (a call announced
+        # in any group, a status) restarts it. A peer busy with calls elsewhere is not hung.
+        keys, t_progress = self._keys(), t_call
         try:
             while True:
                 for p in agree:
@@ -192,10 +200,14 @@ class Lockstep:
                 if cycle and cycle == cycle_seen:  # the same cycle twice: not a stale read
                     raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, t_call))
                 cycle_seen = cycle
-                if time.time() - t_call > self.timeout:
-                    raise LockstepTimeout(
-                        f"waited {self.timeout:.0f}s in {call.describe()} for ranks {missing}, "
-                        "which neither arrived nor said why")
+                now_keys = self._keys()
+                if now_keys != keys:
+                    keys, t_progress = now_keys, time.time()
+                elif time.time() - t_progress > self.timeout:
+                    waited = f"waited {time.time() - t_call:.0f}s" + (
+                        f" ({self.timeout:.0f}s with no call anywhere)" if t_progress > t_call else "")
+                    raise LockstepTimeout(f"{waited} in {call.describe()} for ranks {missing}, "
+                                          "which neither arrived nor said why", missing)
                 try:
                     self.store.wait([agree[missing[0]]], self.slice)
                 except dist.DistStoreError:
@@ -204,6 +216,13 @@ class Lockstep:
             if published is not None:
                 self._set_status({"state": "running"})
             self.waiting = None
+
+    def _keys(self) -> int | None:
+        """How many keys the store holds (None where the store cannot say)."""
+        try:
+            return self.store.num_keys()
+        except Exception:  # noqa: BLE001  (a store without the count: the deadline runs from the call)
+            return None
 
     def _statuses(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -331,7 +350,8 @@ class CollectiveTrace(Check):
         if isinstance(exc, LockstepTimeout):  # this rank waited; the controller names who did not come
             err = raise_payload(exc)
             frame.found.append(Failure(RANK_ERROR, f"rank {frame.rank} stopped waiting: {exc}", [frame.rank],
-                                       details={"at": time.time(), **err, "waited_for": str(exc)}))
+                                       details={"at": time.time(), **err, "waited_for": str(exc),
+                                                "waited_for_ranks": exc.missing}))
             self.abandon(frame, f"raised {err['type']}: {err['message']}")
             return True
         return False
