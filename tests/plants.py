@@ -953,14 +953,14 @@ class StarvedOnRankOne(BuiltinTarget):
 
 
 class SlowPerRank(BuiltinTarget):
-    """builtin, except that every rank first sleeps 1 s: slow, never hung"""
+    """builtin, except that every rank first sleeps 0.5 s: slow, never hung"""
 
     name = "plants:SlowPerRank"
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
         import time
 
-        time.sleep(1.0)
+        time.sleep(0.5)
         return super().compute(inputs)
 
 

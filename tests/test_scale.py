@@ -39,6 +39,9 @@ def _two_nodes(args: list[str], cwd: Path, timeout: float = 240) -> list[subproc
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
+    # torchrun's agents make torchelastic_* folders they never remove: in the test's folder, not /tmp
+    env["TMPDIR"] = str(cwd / "tmp")
+    (cwd / "tmp").mkdir(exist_ok=True)
     cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0"]
     procs = [subprocess.Popen(cmd + ["--node-rank", str(n)] + args, cwd=cwd, env=env, stdout=subprocess.PIPE,

@@ -112,10 +112,10 @@ def test_a_scenario_file_with_a_vocab_tp_does_not_divide_is_one_line(cli_in_proc
 
 
 def test_a_simulation_still_going_rank_after_rank_is_not_hung():
-    """Four simulated ranks of 1 s each, with a 2 s timeout: each rank has the timeout to itself
-    (the deadline follows the simulation's progress), so 4 s in all pass."""
-    sc = Scenario("slow4", (Sample(12, 4),), vocab=8, tp=4)
-    with FakeWorld([4], timeout=2, workers=1) as w:
+    """Eight simulated ranks of 0.5 s each, with a 2 s timeout: each rank has the timeout to
+    itself (the deadline follows the simulation's progress), so 4 s in all pass."""
+    sc = Scenario("slow8", (Sample(12, 4),), vocab=8, tp=8)
+    with FakeWorld([8], timeout=2, workers=1) as w:
         runner.run([sc], "builtin", reporter=SilentReport(), world=w)  # the process's imports, done once
         result = runner.run([sc], "plants:SlowPerRank", reporter=SilentReport(), world=w)
     v = result.verdicts[0]
