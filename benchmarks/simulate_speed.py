@@ -4,7 +4,11 @@ Prints: the same world-4 layout (tp 2 x cp 2, zigzag) run on a real gloo world a
 (seconds a layout, median of ``--repeat``); simulated layouts a minute at world 8 (tp 2 x cp 4,
 ``--layouts`` distinct layouts, zigzag and all-gather); the time of one world-512 layout (tp 8 x
 cp 64) and of one world-64 layout (3 samples of 129 to 700 tokens, chunk 64). SpawnedWorld start-up is not counted anywhere (it is paid once).
-Goals (issue 15): >= 1000 layouts a minute at world 8, <= 10 s for one world-512 layout.
+The simulated figures beside their baseline in the same run: the same layouts with every simulated
+rank building all of megatron-core's groups (``FakeWorld(share_rank_lists=False)``, as before issue
+24: ``initialize_model_parallel`` creating every group of the world, 2,971 at world 512).
+Goals (issues 15 and 24): >= 1000 layouts a minute at world 8, <= 1 s for one world-64 layout,
+<= 10 s for one world-512 layout.
 
     python benchmarks/simulate_speed.py [--repeat 5] [--layouts 200]
 """
@@ -55,17 +59,34 @@ def main() -> None:
         eight = [Scenario(f"small-{i}", (Sample(61 - i % 9, 3), Sample(40, 2 + i % 5), Sample(30, 20)), vocab=32,
                           tp=2, cp=4, layout=("zigzag", "allgather")[i % 2], entropy_coef=0.1,
                           log_probs_chunk_size=(-1, 5)[i % 2], seed=i) for i in range(args.layouts)]
-        t0 = time.perf_counter()
-        _time(fake, eight)
-        per_minute = 60 * len(eight) / (time.perf_counter() - t0)
-        [w64] = _time(fake, [_layout(4, 16)])
-        [w512] = _time(fake, [_layout(8, 64)])
+        # each figure beside its baseline, on the same layouts, measured next to it (the machine is
+        # shared: its load drifts); world 8 in halves, in the order shared, baseline, baseline, shared
+        half = len(eight) // 2
+        per_minute, base_per_minute = (60 * len(eight) / t for t in _both(fake, [eight[:half], eight[half:]]))
+        w64, base_w64 = _both(fake, [[_layout(4, 16)]])
+        w512, base_w512 = _both(fake, [[_layout(8, 64)]])
     print(f"world 4 (tp 2 x cp 2, zigzag): real gloo world {real_4:.3f} s a layout, simulated {fake_4:.3f} s "
           f"({real_4 / fake_4:.1f}x)")
-    print(f"world 8 (tp 2 x cp 4): {per_minute:.0f} simulated layouts a minute (goal >= 1000; small layouts: "
+    print(f"world 8 (tp 2 x cp 4): {per_minute:.0f} simulated layouts a minute against {base_per_minute:.0f} "
+          f"building every group ({per_minute / base_per_minute:.2f}x; goal >= 1000; small layouts: "
           "3 samples of 30 to 61 tokens)")
-    print(f"world 64 (tp 4 x cp 16): {w64:.2f} s; world 512 (tp 8 x cp 64): {w512:.2f} s (goal <= 10 s) "
-          f"with {fake.workers} simulation processes")
+    print(f"world 64 (tp 4 x cp 16): {w64:.2f} s against {base_w64:.2f} s building every group "
+          f"({base_w64 / w64:.1f}x faster; goal <= 1 s)")
+    print(f"world 512 (tp 8 x cp 64): {w512:.2f} s against {base_w512:.2f} s building every group "
+          f"({base_w512 / w512:.1f}x faster; goal <= 10 s) with {fake.workers} simulation processes")
+
+
+def _both(fake: FakeWorld, parts: list[list[Scenario]]) -> tuple[float, float]:
+    """Seconds for all of ``parts`` simulated as shipped (megatron's rank lists shared between the
+    simulated ranks), and as the baseline (every simulated rank building all of megatron's groups);
+    the order alternates part by part."""
+    seconds = {True: 0.0, False: 0.0}
+    for i, part in enumerate(parts):
+        for share in ((True, False), (False, True))[i % 2]:
+            fake.share_rank_lists = share
+            seconds[share] += sum(_time(fake, part))
+    fake.share_rank_lists = True
+    return seconds[True], seconds[False]
 
 
 if __name__ == "__main__":

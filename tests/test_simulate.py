@@ -111,6 +111,75 @@ def test_a_scenario_file_with_a_vocab_tp_does_not_divide_is_one_line(cli_in_proc
     assert proc.returncode == 2 and "vocab 33 is not divisible by tp 2" in proc.stderr
 
 
+_GROUPS_SEEN = r"""
+import json, sys
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from megatron.core import parallel_state as ps
+from shardcheck.harness.rank import groups
+
+def value(v):
+    if v is c10d.GroupMember.NON_GROUP_MEMBER:
+        return "NON_GROUP_MEMBER"
+    if isinstance(v, dist.ProcessGroup):
+        return ["group", v.group_name, getattr(v, "group_desc", ""), dist.get_process_group_ranks(v)]
+    if isinstance(v, (list, tuple)):
+        return [value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): value(x) for k, x in v.items()}
+    return v if v is None or isinstance(v, (int, float, str, bool)) else type(v).__name__
+
+def seen():
+    names = [k for k in vars(ps) if k.startswith("_") and k[1:2].isupper()] + ["_global_process_group_list"]
+    pgs = {pg.group_name: dist.get_process_group_ranks(pg) for pg in c10d._world.pg_group_ranks
+           if pg is not c10d.GroupMember.NON_GROUP_MEMBER}
+    return {"globals": {k: value(getattr(ps, k)) for k in names}, "torch groups": pgs,
+            "group count": c10d._world.group_count}
+
+out = []
+for world, tp, cp, ranks in json.loads(sys.argv[1]):
+    for rank in ranks:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        groups.share_rank_lists(True)
+        groups.configure(tp, cp)
+        fast = seen()
+        kept = len(groups._rank_lists)
+        groups.share_rank_lists(False)
+        groups.reset()
+        dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                     distributed_timeout_minutes=groups._timeout_s / 60.0,
+                                     create_gloo_process_groups=False)
+        scratch = seen()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        out.append({"case": [world, tp, cp, rank], "kept": kept, "mine": len(fast["torch groups"]),
+                    "differ": sorted(k for k in scratch["globals"] if fast["globals"][k] != scratch["globals"][k])
+                              + [k for k in ("torch groups", "group count") if fast[k] != scratch[k]]})
+print(json.dumps(out))
+"""
+
+
+def test_each_simulated_rank_gets_the_groups_megatron_gives_it():
+    """The fake world's fast path (megatron's rank lists computed once per layout, only the rank's
+    own groups created: groups.share_rank_lists) against a from-scratch initialize_model_parallel
+    for that rank: every parallel_state global (groups by name, description and ranks; rank
+    lists), torch's groups and its group count are the same."""
+    cases = [(1, 1, 1, [0]), (8, 2, 4, list(range(8))), (16, 2, 4, [0, 5, 10, 15]), (16, 4, 2, [3, 12]),
+             (64, 4, 16, [0, 17, 63]), (512, 8, 64, [0, 77, 300, 511])]
+    proc = subprocess.run([sys.executable, "-c", _GROUPS_SEEN, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(seen) == sum(len(c[3]) for c in cases)
+    assert [s for s in seen if s["differ"]] == []
+    # the fast path was taken: the rank lists are kept, and a rank of 512 holds a handful of groups
+    assert all(s["kept"] > 0 for s in seen)
+    assert all(s["mine"] < 30 for s in seen if s["case"][0] == 512), seen
+
+
 def test_a_simulation_still_going_rank_after_rank_is_not_hung():
     """Eight simulated ranks of 0.5 s each, with a 2 s timeout: each rank has the timeout to
     itself (the deadline follows the simulation's progress), so 4 s in all pass."""

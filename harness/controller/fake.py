@@ -35,12 +35,16 @@ class FakeWorld:
     lockstep = True  # the trace comparison stands in for it
     backend = BACKEND
 
-    def __init__(self, sizes: Sequence[int], timeout: float = 60.0, workers: int | None = None) -> None:
+    def __init__(self, sizes: Sequence[int], timeout: float = 60.0, workers: int | None = None,
+                 share_rank_lists: bool = True) -> None:
         from shardcheck.harness.controller.machine import usable_cores
 
         self.nproc = math.lcm(*sizes) if sizes else 1
         self.timeout = timeout
         self.workers = max(1, workers if workers is not None else usable_cores())
+        # megatron's rank lists computed once per layout, each simulated rank creating only its own
+        # groups (groups.share_rank_lists); False: every rank builds all of them (the benchmark's baseline)
+        self.share_rank_lists = share_rank_lists
         self.startup_seconds: list[float] = []
         self.events: list[str] = []
         self.progress: Callable[[int], None] | None = None
@@ -85,7 +89,8 @@ class FakeWorld:
             for i, (_, conn) in enumerate(used):
                 conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=self._seq,
                                        checks=checks.to_wire(), settings=wire.target_settings(),
-                                       ranks=list(range(i * share, min(world, (i + 1) * share)))))
+                                       ranks=list(range(i * share, min(world, (i + 1) * share))),
+                                       share_rank_lists=self.share_rank_lists))
             for proc, conn in used:
                 # each simulated rank has the timeout to itself: the deadline follows progress
                 deadline, current = time.perf_counter() + self.timeout, None

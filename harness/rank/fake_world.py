@@ -2,7 +2,9 @@
 
 Each rank joins torch's fake process group (the ``fake`` backend over a ``FakeStore``: every
 collective returns at once, moving no data) as that rank of a world of ``tp * cp``; megatron-core
-builds its groups for that world (``groups.configure``: ``initialize_model_parallel``); the rank
+builds its groups for that world (``groups.configure``: ``initialize_model_parallel``, its rank
+lists computed once per layout and only the rank's own groups created:
+``groups.share_rank_lists``); the rank
 runs the scenario exactly as a real rank does (``RankRunner``: its shard, the target, the
 backward), its collectives recorded by the same interception point (``trace``). Once every rank
 has run (in one process, or split over a few), :func:`judge` compares the traces of each group
@@ -30,10 +32,14 @@ FAKE = "fake"
 
 
 def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, checks: Checks,
-              ranks: list[int], starting: Any = None) -> list[tuple[RankResult, dict[str, str]]]:
+              ranks: list[int], starting: Any = None, share_rank_lists: bool = True,
+              ) -> list[tuple[RankResult, dict[str, str]]]:
     """The scenario on each of ``ranks`` of its ``tp * cp`` world in turn: per rank, its result
     (with its whole trace) and what each group it called in is for ("tp", "cp", ...).
-    ``starting(rank)`` is told as each begins (the controller's deadline follows it)."""
+    ``starting(rank)`` is told as each begins (the controller's deadline follows it).
+    ``share_rank_lists``: megatron's rank lists computed once for the layout, only the rank's own
+    groups created (``groups.share_rank_lists``); off, every rank builds all of them, as a real
+    rank does."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -42,19 +48,23 @@ def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, chec
     world = int(scenario["tp"]) * int(scenario.get("cp", 1))
     traced = dataclasses.replace(checks, trace_calls=True, reference=False)
     out = []
-    for rank in ranks:
-        if starting is not None:
-            starting(rank)
-        dist.init_process_group(FAKE, store=FakeStore(), rank=rank, world_size=world)
-        try:
-            runner.rank = rank
-            result = runner.run(scenario, target, seq, traced)
-            labels = {name: groups.label(name) for name in {c["group"] for c in result.trace}}
-        finally:
-            groups.reset()
-            trace.reset()
-            dist.destroy_process_group()
-        out.append((result, labels))
+    groups.share_rank_lists(share_rank_lists)
+    try:
+        for rank in ranks:
+            if starting is not None:
+                starting(rank)
+            dist.init_process_group(FAKE, store=FakeStore(), rank=rank, world_size=world)
+            try:
+                runner.rank = rank
+                result = runner.run(scenario, target, seq, traced)
+                labels = {name: groups.label(name) for name in {c["group"] for c in result.trace}}
+            finally:
+                groups.reset()
+                trace.reset()
+                dist.destroy_process_group()
+            out.append((result, labels))
+    finally:
+        groups.share_rank_lists(False)
     return out
 
 
@@ -89,6 +99,9 @@ labels out, until ``stop`` or EOF."""
     trace.install()
     import torch
 
+    # one simulation process per core: a second intra-op thread only takes a core from the other
+    # (the same wall time a rank, twice the CPU time); values are not checked here
+    torch.set_num_threads(1)
     runner = RankRunner(0, None, torch.device("cpu"))
     runner.trace_cap = None
     try:
@@ -103,7 +116,8 @@ labels out, until ``stop`` or EOF."""
             checks = Checks.from_wire(kwargs["checks"])
             try:
                 done = run_ranks(runner, kwargs["scenario"], kwargs["target"], kwargs["seq"], checks, kwargs["ranks"],
-                                 starting=lambda rank: conn.send(("starting", rank)))
+                                 starting=lambda rank: conn.send(("starting", rank)),
+                                 share_rank_lists=kwargs.get("share_rank_lists", True))
                 conn.send(("results", [(r.to_wire(), labels) for r, labels in done]))
             except BaseException as exc:  # noqa: BLE001  (the fake world itself failed: say so)
                 conn.send(("fatal", wire.error_payload(exc)))

@@ -6,6 +6,8 @@ module is the only one that initialises, rebuilds or queries it. Everyone else a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 _config: tuple[int, int] | None = None
@@ -13,6 +15,11 @@ _timeout_s: float = 60.0
 # megatron's group globals per (tp, cp) already built in this world: switching back restores them
 # instead of creating the groups again (gloo groups are never freed; a long run would pile them up)
 _built: dict[tuple[int, int], dict[str, Any]] = {}
+# The fake world's fast path (share_rank_lists): megatron's rank lists, computed once per
+# (world size, sizes, mask) and kept across the simulated ranks of this process
+_share = False
+_rank_lists: dict[tuple[int, tuple[int, ...], tuple[bool, ...]], list[list[int]]] = {}
+_RANK_LISTS_KEPT = 256  # kinds of lists kept at most (about 16 a layout; a search draws many layouts)
 
 
 def reset() -> None:
@@ -33,6 +40,56 @@ def set_timeout(seconds: float) -> None:
     _timeout_s = seconds
 
 
+def share_rank_lists(on: bool) -> None:
+    """The fake world's fast path (on fake process groups only; a real world never calls this).
+
+    megatron-core's ``initialize_model_parallel`` still runs for every simulated rank and decides
+    everything that rank holds, with two differences: the rank lists it computes
+    (``generate_masked_orthogonal_rank_groups``, the one source of every group's ranks) are
+    computed once per layout and handed out again, as copies, to every later rank; and a group
+    the rank is not a member of is not created (torch would return ``NON_GROUP_MEMBER`` for it
+    anyway; its name is still taken, so every group the rank is in has the name it would have).
+    A 512-rank world has 2,971 groups, of which a rank is in 17: creating all of them was 50 ms
+    a simulated rank. ``tests/test_simulate.py`` checks the groups each rank gets against a
+    from-scratch ``initialize_model_parallel``.
+    """
+    global _share
+    _share = on
+
+
+@contextlib.contextmanager
+def _shared_rank_lists(ps: Any) -> Iterator[None]:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    generate, create = ps.generate_masked_orthogonal_rank_groups, ps.create_group
+    rank = dist.get_rank()
+
+    def rank_lists(world_size: int, parallel_size: list[int], mask: list[bool]) -> list[list[int]]:
+        key = (world_size, tuple(parallel_size), tuple(mask))
+        lists = _rank_lists.get(key)
+        if lists is None:
+            if len(_rank_lists) >= _RANK_LISTS_KEPT:
+                _rank_lists.clear()
+            lists = _rank_lists[key] = generate(world_size, parallel_size, mask)
+        return [list(ranks) for ranks in lists]  # megatron may offset them in place
+
+    def create_group(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if ranks is None or rank in ranks:
+            return create(ranks, *args, **kwargs)
+        # what torch's new_group does for a non-member, less the group it never hands out
+        if kwargs.get("use_local_synchronization"):
+            return None
+        c10d._world.group_count += 1
+        return c10d.GroupMember.NON_GROUP_MEMBER
+
+    ps.generate_masked_orthogonal_rank_groups, ps.create_group = rank_lists, create_group
+    try:
+        yield
+    finally:
+        ps.generate_masked_orthogonal_rank_groups, ps.create_group = generate, create
+
+
 def configure(tp: int, cp: int) -> None:
     """Make (tp, cp) the current model-parallel layout, rebuilding groups only on change.
 
@@ -51,12 +108,13 @@ def configure(tp: int, cp: int) -> None:
         for name, value in _built[(tp, cp)].items():
             setattr(ps, name, value)
     else:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            context_parallel_size=cp,
-            distributed_timeout_minutes=_timeout_s / 60.0,
-            create_gloo_process_groups=False,
-        )
+        with _shared_rank_lists(ps) if _share else contextlib.nullcontext():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp,
+                context_parallel_size=cp,
+                distributed_timeout_minutes=_timeout_s / 60.0,
+                create_gloo_process_groups=False,
+            )
         _built[(tp, cp)] = {k: v for k, v in vars(ps).items() if k.startswith("_") and k[1:2].isupper()}
     _config = (tp, cp)
 
