@@ -51,3 +51,28 @@ def test_a_spawned_world_runs_as_a_forked_one(monkeypatch):
     with SpawnedWorld(1, timeout=30, fork_server=False) as world:
         assert _parents(world) == {os.getpid()}
         assert _probe(world) == ["probe: spawned"]
+
+
+def test_a_rank_imports_parallel_state_and_not_the_rest_of_megatron_core_until_asked():
+    """The fork server and every rank import megatron-core's parallel_state without the package's
+    __init__ (tensor_parallel, transformer, ...: 2 s of a start); a target that asks megatron.core
+    for a name gets the package as always, its __init__ run in full."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        "from shardcheck.harness.rank.megatron_core import load_parallel_state\n"
+        "ps = load_parallel_state()\n"
+        "import megatron.core.parallel_state as again\n"
+        "print(again is ps, ps.__file__.endswith('megatron/core/parallel_state.py'),\n"
+        "      'megatron.core.tensor_parallel' in sys.modules, 'megatron.core.transformer' in sys.modules)\n"
+        "from megatron.core import ModelParallelConfig, tensor_parallel\n"
+        "import megatron.core\n"
+        "print(megatron.core.ModelParallelConfig is ModelParallelConfig, megatron.core.parallel_state is ps,\n"
+        "      tensor_parallel.vocab_parallel_cross_entropy.__module__)\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["True True False False",
+                                       "True True megatron.core.tensor_parallel.cross_entropy"], out.stdout

@@ -97,7 +97,6 @@ def prepare(rank: int, world_size: int, store_host: str, store_port: int, option
     from shardcheck.harness.rank import groups, trace
 
     groups.set_timeout(options["collective_timeout"])
-    import megatron.core.parallel_state  # noqa: F401  (pay the import before the first scenario)
 
     trace.install()
     lockstep = None
@@ -142,6 +141,9 @@ class RankRunner:
     trace_cap: int | None = TRACE_CAP  # calls sent back when the whole trace is asked for (None: all)
 
     def __init__(self, rank: int, lockstep: Any, device: Any = None) -> None:
+        from shardcheck.harness.rank.megatron_core import load_parallel_state
+
+        load_parallel_state()  # before the first scenario, and without the rest of megatron-core
         self.rank = rank
         self.lockstep = lockstep
         self.device = device
