@@ -197,6 +197,32 @@ def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
         request_cleanup()
 
 
+def test_nothing_of_a_finished_run_outlives_it(tmp_path):
+    """After a command with a world returns, no process of its session is left running: the fork
+    server used to spend a second or more tearing torch down after the command had exited."""
+    (tmp_path / "s.json").write_text('{"name": "small", "samples": [[6, 2]], "vocab": 8, "tp": 2}')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    with open(tmp_path / "out", "w") as out:  # a file, not a pipe: a pipe's reader would wait for every holder
+        proc = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "--scenario-file",
+                                 str(tmp_path / "s.json"), "-q"], stdout=out, stderr=out, env=env,
+                                start_new_session=True)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, (tmp_path / "out").read_text()
+    session = proc.pid  # its own session: every process it started is in it
+    time.sleep(0.3)
+    left = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":  # field 6 of stat: the session id
+                left.append(int(entry))
+    assert left == [], [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in left]
+
+
 # -- report files: nothing the user owns replaced, nothing left, a failed write said -----------------
 SKIPPED_BY_TP1 = ('{"name": "tp2", "samples": [[6, 2]], "vocab": 8, "tp": 2}')  # plants:SamplingTp1 skips it
 

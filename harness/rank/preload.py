@@ -24,3 +24,11 @@ except ImportError:  # the rank says so when it needs it
     pass
 
 import shardcheck.harness.rank.main  # noqa: E402,F401
+
+# The server lives until the controller's end closes its pipe; then a normal interpreter exit
+# would spend a second or more tearing down torch's modules, outliving the command that started
+# it. It has nothing to flush or free: leave at once (atexit runs the newest registration first).
+import atexit  # noqa: E402
+import os  # noqa: E402
+
+atexit.register(os._exit, 0)
