@@ -222,8 +222,9 @@ class SpawnedWorld:
                 break
             ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
                          timeout=min(left, 1.0))
-            self._sample_memory(pending)
-            self._cpu_wait.sample([self._procs[r].pid for r in pending])
+            if not ready:  # idle: look at the ranks (after a message, its handling comes first)
+                self._sample_memory(pending)
+                self._cpu_wait.sample([self._procs[r].pid for r in pending])
             for r in pending:
                 dead = self._procs[r].sentinel in ready
                 if self._conns[r] in ready:

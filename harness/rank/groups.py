@@ -147,6 +147,24 @@ def dp_rank() -> int:
     return _ps().get_data_parallel_rank()
 
 
+def member_groups() -> list[str]:
+    """The names of the groups this rank belongs to (tp, cp, dp and the world), as the trace
+    names a call's group; [] before the groups are configured."""
+    if _config is None:
+        return []
+    import torch.distributed as dist
+
+    ps = _ps()
+    names = []
+    for get in (ps.get_tensor_model_parallel_group, ps.get_context_parallel_group, ps.get_data_parallel_group,
+                lambda: dist.group.WORLD):
+        try:
+            names.append(get().group_name)
+        except (AssertionError, RuntimeError, AttributeError):
+            continue
+    return names
+
+
 def label(group_name: str) -> str:
     """What a group is for ("tp", "cp", "dp", ...), from its name; "" when unknown."""
     if _config is None:

@@ -1,19 +1,21 @@
 """The lockstep check: before a collective reaches the backend, the ranks of its group compare
 fingerprints over the c10d store, with bounded waits, so a would-be hang becomes a report.
 
-Per call, a rank sets ``agree/<seq>/<group>/<number>/<digest>/<rank>`` (the digest of its
-fingerprint) and waits for its peers' keys with the same digest: two store round trips when all
-agree, and the call goes on. When that wait runs out (one slice), the rank publishes its whole
-fingerprint under ``call/<seq>/<group>/<number>/<rank>``: a peer whose fingerprint differs is
-then seen, every member raises :class:`CollectiveMismatch`, and the call is never issued, so the
-backend's groups stay in step.
+Per call, a rank sets, in one round trip, ``agree/<seq>/<group>/<number>/<digest>/<rank>`` (the
+digest of its fingerprint) and ``arrive/<seq>/<group>/<number>/<rank>`` (holding the digest), and
+waits for its peers' agree keys with the same digest: two store round trips when all agree, and
+the call goes on. When that first wait runs out (FIRST_WAIT_S), the rank waits on the arrive key
+of a peer not yet seen, which wakes it the moment that peer arrives, whatever its fingerprint: a
+peer with another digest is a divergence at once; both publish their whole fingerprints under
+``call/<seq>/<group>/<number>/<rank>``, every member raises :class:`CollectiveMismatch`, and the
+call is never issued, so the backend's groups stay in step.
 
-A peer that never arrives is found through status keys (``status/<seq>/<rank>``): a rank that
-finishes the scenario or stops on an error says so, the controller says so for a rank that died,
-and a rank that has waited one slice publishes what it waits for. A missing peer that finished is
-a mismatch (this rank issues a call the peer never does); one that stopped is the peer's own
-failure (:class:`PeerStopped`); ranks that wait for each other in a cycle (each blocked in a
-different group) are a mismatch too. All within a few slices of the divergent call.
+A rank that finishes the scenario or stops on an error sets, for every group it called in, the
+arrive key of the next call it will never make, holding why: a peer waiting there wakes at once
+(a mismatch: the peer issues a call this rank never does; or :class:`PeerStopped`). The rest is
+found through status keys (``status/<seq>/<rank>``), looked at every SLICE_S: the controller says
+so for a rank that died, and a rank waiting that long publishes what it waits for, so ranks that
+wait for each other in a cycle (each blocked in a different group) are a mismatch too.
 
 Every key a rank sets names that rank, and only peers in the same scenario read it. A rank
 deletes the keys it set when it begins the next scenario: the controller (or a joined world's
@@ -39,7 +41,8 @@ from shardcheck.harness.rank.pipeline import Check, Frame, Life, raise_payload
 from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
 from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key
 
-SLICE_S = 0.05  # how long a wait blocks before it looks at the peers' status
+FIRST_WAIT_S = 0.002  # how long a call waits for agreeing peers before it looks at who arrived
+SLICE_S = 0.05  # how often a wait looks at the peers' status
 LAST_MATCHED = 3
 DIGESTS_KEPT = 4096  # memoised fingerprint digests; a long run with ever new shapes starts over
 
@@ -50,6 +53,10 @@ def agree_key(seq: int, group: str, number: int, digest: str, rank: int) -> str:
 
 def call_key(seq: int, group: str, number: int, rank: int) -> str:
     return f"call/{seq}/{group}/{number}/{rank}"
+
+
+def arrive_key(seq: int, group: str, number: int, rank: int) -> str:
+    return f"arrive/{seq}/{group}/{number}/{rank}"
 
 
 class CollectiveMismatch(RuntimeError):
@@ -81,17 +88,20 @@ class Lockstep:
     """One per rank process; :meth:`begin` starts a scenario, :meth:`check` is the trace's checker."""
 
     def __init__(self, port: int, rank: int, world_size: int, timeout: float,
-                 label: Callable[[str], str] | None = None, host: str = "127.0.0.1") -> None:
+                 label: Callable[[str], str] | None = None, host: str = "127.0.0.1",
+                 member_groups: Callable[[], list[str]] | None = None) -> None:
         # get is only called for keys known to exist: a get that times out would leave its late
         # reply on the socket. Waiting is done with wait(keys, timeout), which cancels cleanly
         # on the server when it times out.
         self.store = dist.TCPStore(host, port, is_master=False,
                                    timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         self.slice = datetime.timedelta(seconds=SLICE_S)
+        self.first_wait = datetime.timedelta(seconds=FIRST_WAIT_S)
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
         self.label = label or (lambda group: "")
+        self.member_groups = member_groups or (lambda: [])
         self.seq = 0
         self.scenario = ""
         self.matched: dict[str, deque] = defaultdict(lambda: deque(maxlen=LAST_MATCHED))
@@ -113,6 +123,10 @@ class Lockstep:
         self._written.add(key)
         self.store.set(key, value)
 
+    def _set_many(self, keys: list[str], values: list[str]) -> None:
+        self._written.update(keys)
+        self.store.multi_set(keys, values)
+
     def _forget(self) -> None:
         """Delete the keys this rank set. Best effort: a store that fails here fails again at
         the scenario's first check, which reports it."""
@@ -126,9 +140,22 @@ class Lockstep:
     # -- sentinels ----------------------------------------------------------------------------
     def finish(self) -> None:
         self._set_status({"state": "finished", "counts": self.counts})
+        self._mark({"state": "finished", "counts": self.counts})
 
     def stop(self, reason: str) -> None:
         self._set_status({"state": "stopped", "reason": reason, "waiting": self.waiting})
+        self._mark({"state": "stopped", "reason": reason})
+
+    def _mark(self, why: dict[str, Any]) -> None:
+        """Wake peers waiting for a call this rank will never make: the arrive key of its next
+        call in every group it belongs to (call 0 in one it never called in) holds why."""
+        try:
+            never = [g for g in self.member_groups() if g not in self.counts]
+        except Exception:  # noqa: BLE001  (groups gone: peers find the status at their next look)
+            never = []
+        keys = [arrive_key(self.seq, group, n, self.rank) for group, n in [*self.counts.items(), *((g, 0) for g in never)]]
+        if keys:
+            self._set_many(keys, [json.dumps(why)] * len(keys))
 
     def _set_status(self, status: dict[str, Any]) -> None:
         self._set(status_key(self.seq, self.rank), json.dumps(status))
@@ -146,76 +173,102 @@ class Lockstep:
             if len(self._digests) >= DIGESTS_KEPT:
                 self._digests.clear()
             digest = self._digests[fp_key] = hashlib.blake2b(repr(fp_key).encode(), digest_size=8).hexdigest()
-        # Fast path, two round trips: announce my fingerprint's digest, then wait for every peer
-        # to have announced the same one. Equal digests: the call goes on.
-        self._set(agree_key(self.seq, call.group, call.number, digest, self.rank), "")
+        # Fast path, two round trips: announce my fingerprint's digest (and that I arrived), then
+        # wait for every peer to have announced the same one. Equal digests: the call goes on.
+        self._set_many([agree_key(self.seq, call.group, call.number, digest, self.rank),
+                        arrive_key(self.seq, call.group, call.number, self.rank)], ["", digest])
         agree = {p: agree_key(self.seq, call.group, call.number, digest, p) for p in peers}
         try:
-            self.store.wait(list(agree.values()), self.slice)
+            self.store.wait(list(agree.values()), self.first_wait)
         except dist.DistStoreError:
-            # published in full for the report: the fingerprint, and where a backward call's
-            # autograd node was made (not agreed on: it is known only when explaining)
-            shown = call.fingerprint() | {"created_at": call.created_at}
-            self._slow_path(call, json.dumps(shown, sort_keys=True), agree, t_call)
+            self._slow_path(call, digest, agree, t_call)
         self.matched[call.group].append(call)
 
-    def _slow_path(self, call: Call, mine: str, agree: dict[int, str], t_call: float) -> None:
-        """A peer is late or different: publish the whole fingerprint, then find out which."""
-        self._set(call_key(self.seq, call.group, call.number, self.rank), mine)
+    def _slow_path(self, call: Call, digest: str, agree: dict[int, str], t_call: float) -> None:
+        """A peer is late or different: wait on its arrival, whatever it brings, then find out which."""
+        arrive = {p: arrive_key(self.seq, call.group, call.number, p) for p in agree}
         plain = {p: call_key(self.seq, call.group, call.number, p) for p in agree}
+        # published in full for the report: the fingerprint, and where a backward call's
+        # autograd node was made (not agreed on: it is known only when explaining)
+        mine = json.dumps(call.fingerprint() | {"created_at": call.created_at}, sort_keys=True)
         same: set[int] = set()
+        differ: set[int] = set()
+        shown = False
         published: list[int] | None = None
         cycle_seen = None
         # The wait's deadline follows the world's progress: a key set anywhere (a call announced
         # in any group, a status) restarts it. A peer busy with calls elsewhere is not hung.
         keys, t_progress = self._keys(), t_call
+        look = t_call + SLICE_S  # when the statuses are looked at next
         try:
             while True:
                 for p in agree:
-                    if p not in same and self.store.check([agree[p]]):
+                    if p in same or p in differ or not self.store.check([arrive[p]]):
+                        continue
+                    value = self.store.get(arrive[p]).decode()
+                    if value == digest:
                         same.add(p)
-                missing = [p for p in agree if p not in same]
-                if not missing:
+                    elif value.startswith("{"):  # it finished or stopped instead of making this call
+                        self._not_coming(call, mine, same, p, json.loads(value), t_call)
+                    else:
+                        differ.add(p)
+                missing = [p for p in agree if p not in same and p not in differ]
+                if not missing and not differ:
                     return
-                differ = [p for p in missing if self.store.check([plain[p]])]
                 if differ:
-                    sides = {r: json.loads(mine) for r in [self.rank, *same]}
-                    sides |= {p: json.loads(self.store.get(plain[p])) for p in differ}
-                    raise CollectiveMismatch(self._report(call, {r: _side(fp) for r, fp in sides.items()}, t_call))
-                if missing != published:  # say what this rank waits for (peers find cycles with it)
-                    self.waiting = {"group": call.group, "number": call.number, "call": call.describe(),
-                                    "for": missing, "label": self.label(call.group)}
-                    self._set_status({"state": "waiting", **self.waiting})
-                    published = missing
-                statuses = self._statuses()
-                for p in missing:
-                    st = statuses.get(p)
-                    if st and st["state"] == "finished":
-                        sides = {r: _side(json.loads(mine)) for r in [self.rank, *same]}
-                        sides[p] = {"finished_after": st["counts"].get(call.group, 0)}
-                        raise CollectiveMismatch(self._report(call, sides, t_call))
-                    if st and st["state"] in ("stopped", "died"):
-                        raise PeerStopped(self._stopped_report(call, p, st))
-                cycle = _wait_cycle(self.rank, statuses | {self.rank: {"state": "waiting", **self.waiting}})
-                if cycle and cycle == cycle_seen:  # the same cycle twice: not a stale read
-                    raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, t_call))
-                cycle_seen = cycle
-                now_keys = self._keys()
-                if now_keys != keys:
-                    keys, t_progress = now_keys, time.time()
-                elif time.time() - t_progress > self.timeout:
-                    waited = f"waited {time.time() - t_call:.0f}s" + (
-                        f" ({self.timeout:.0f}s with no call anywhere)" if t_progress > t_call else "")
-                    raise LockstepTimeout(f"{waited} in {call.describe()} for ranks {missing}, "
-                                          "which neither arrived nor said why", missing)
+                    if not shown:  # each side publishes its own on seeing the other's digest differ
+                        self._set(call_key(self.seq, call.group, call.number, self.rank), mine)
+                        shown = True
+                    ready = [p for p in sorted(differ) if self.store.check([plain[p]])]
+                    if ready:
+                        sides = {r: json.loads(mine) for r in [self.rank, *same]}
+                        sides |= {p: json.loads(self.store.get(plain[p])) for p in ready}
+                        raise CollectiveMismatch(self._report(call, {r: _side(fp) for r, fp in sides.items()}, t_call))
+                now = time.time()
+                if now >= look:
+                    look = now + SLICE_S
+                    waited_for = missing or sorted(differ)
+                    if waited_for != published:  # say what this rank waits for (peers find cycles with it)
+                        self.waiting = {"group": call.group, "number": call.number, "call": call.describe(),
+                                        "for": waited_for, "label": self.label(call.group)}
+                        self._set_status({"state": "waiting", **self.waiting})
+                        published = waited_for
+                    statuses = self._statuses()
+                    for p in waited_for:
+                        st = statuses.get(p)
+                        if st and st["state"] in ("finished", "stopped", "died"):
+                            self._not_coming(call, mine, same, p, st, t_call)
+                    cycle = _wait_cycle(self.rank, statuses | {self.rank: {"state": "waiting", **self.waiting}})
+                    if cycle and cycle == cycle_seen:  # the same cycle twice: not a stale read
+                        raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, t_call))
+                    cycle_seen = cycle
+                    now_keys = self._keys()
+                    if now_keys != keys:
+                        keys, t_progress = now_keys, time.time()
+                    elif time.time() - t_progress > self.timeout:
+                        waited = f"waited {time.time() - t_call:.0f}s" + (
+                            f" ({self.timeout:.0f}s with no call anywhere)" if t_progress > t_call else "")
+                        raise LockstepTimeout(f"{waited} in {call.describe()} for ranks {waited_for}, "
+                                              "which neither arrived nor said why", waited_for)
+                # wake when the peer waited on arrives (or, once it differs, publishes its fingerprint)
+                key = plain[min(differ)] if differ else arrive[missing[0]]
                 try:
-                    self.store.wait([agree[missing[0]]], self.slice)
+                    self.store.wait([key], datetime.timedelta(seconds=max(0.001, min(SLICE_S, look - time.time()))))
                 except dist.DistStoreError:
                     pass
         finally:
             if published is not None:
                 self._set_status({"state": "running"})
             self.waiting = None
+
+    def _not_coming(self, call: Call, mine: str, same: set[int], peer: int, status: dict[str, Any],
+                    t_call: float) -> None:
+        """Raise for a peer that will not make this call: it finished (a mismatch) or stopped."""
+        if status["state"] == "finished":
+            sides = {r: _side(json.loads(mine)) for r in [self.rank, *same]}
+            sides[peer] = {"finished_after": status["counts"].get(call.group, 0)}
+            raise CollectiveMismatch(self._report(call, sides, t_call))
+        raise PeerStopped(self._stopped_report(call, peer, status))
 
     def _keys(self) -> int | None:
         """How many keys the store holds (None where the store cannot say)."""

@@ -104,7 +104,7 @@ def prepare(rank: int, world_size: int, store_host: str, store_port: int, option
         from shardcheck.harness.rank.lockstep import Lockstep
 
         lockstep = Lockstep(store_port, rank, world_size, options["collective_timeout"], label=groups.label,
-                            host=store_host)
+                            host=store_host, member_groups=groups.member_groups)
     return RankRunner(rank, lockstep, device)
 
 
