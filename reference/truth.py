@@ -16,6 +16,13 @@ target (always kept), its entropy stays over the whole vocabulary:
     logp(y) = s_y - log sum_{v in K + {y}} exp(s_v)     (q = that renormalised softmax)
     d logp / d z = (onehot(y) - q) / t        (the entropy's term is unchanged)
 Rows without a keep set are unprocessed. An empty K leaves the target alone: logp = 0.
+
+How: the log-probs are torch.log_softmax's own bits (its kernel on the float64 s), the entropy
+-sum p log p with p = exp(log p). The gradient takes one exp an element: with d = s - max s
+(so s - sum p s = d - sum p d) and e = exp(d), S = sum e, p = e / S,
+    d loss / d z = e * (alpha d - alpha sum_v p_v d_v - w_lp) / (S t) + w_lp onehot(y) / t,
+alpha = entropy_coef * w_ent, computed only over the columns asked for (-w_lp q / t apart where a
+row has a keep set).
 """
 
 from __future__ import annotations
@@ -26,14 +33,16 @@ from typing import Protocol, runtime_checkable
 import torch
 
 DEFAULT_CHUNK_ROWS = 256  # at most; fewer at a large vocabulary (chunk_rows_for)
-CHUNK_BYTES = 8 * 2**20  # one float64 [rows, V] chunk: small enough that the allocator reuses it
+CHUNK_BYTES = 4 * 2**20  # one float64 [rows, V] chunk: small enough that the allocator reuses it
 
 
 def chunk_rows_for(vocab: int | None) -> int:
     """Rows per chunk by default: DEFAULT_CHUNK_ROWS, or as many as keep a float64 [rows, V]
-    tensor within CHUNK_BYTES (at V = 151,936: 6 rows, 7.3 MB). A chunk the size of the heap's
+    tensor within CHUNK_BYTES (at V = 151,936: 3 rows, 3.6 MB). A chunk the size of the heap's
     reusable blocks is not handed back to the kernel and faulted in again each time, which at a
-    real vocabulary cost more than the arithmetic (and it bounds the peak: a handful of chunks)."""
+    real vocabulary cost more than the arithmetic (and it bounds the peak: a handful of chunks).
+    Measured at V = 151,936 (benchmarks/reference_real_vocab.py, one thread): 3 rows a chunk
+    as fast as 1, 6 rows 5-50% slower (the chunk's tensors then fill the shared cache)."""
     if not vocab:
         return DEFAULT_CHUNK_ROWS
     return max(1, min(DEFAULT_CHUNK_ROWS, CHUNK_BYTES // (8 * vocab)))
@@ -66,37 +75,36 @@ def as_rows(logits: torch.Tensor | Rows) -> Rows:
 
 
 class _Buffers:
-    """The float64 [chunk, V] work tensors of one call, allocated once and reused chunk after
+    """The two float64 [chunk, V] work tensors of one call, allocated once and reused chunk after
     chunk: at a real vocabulary, allocating (and faulting in) fresh ones for every chunk cost
     more than the arithmetic, and let the heap grow with fragments."""
 
     def __init__(self) -> None:
-        self.s: torch.Tensor | None = None
-        self.logp: torch.Tensor | None = None
-        self.p: torch.Tensor | None = None
+        self.pair: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def take(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.s is None or self.s.shape[0] < rows or self.s.shape[1] != vocab or self.s.device != device:
-            self.s, self.logp, self.p = (torch.empty(rows, vocab, dtype=torch.float64, device=device) for _ in range(3))
-        return self.s[:rows], self.logp[:rows], self.p[:rows]
+    def take(self, rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.pair[0] if self.pair is not None else None
+        if a is None or a.shape[0] < rows or a.shape[1] != vocab or a.device != device:
+            self.pair = a = None  # the old pair goes before the new one is made
+            self.pair = tuple(torch.empty(rows, vocab, dtype=torch.float64, device=device) for _ in range(2))
+        return self.pair[0][:rows], self.pair[1][:rows]
 
 
-def _chunk_stats(
-    z: torch.Tensor, temperature: float, device: torch.device | None, buffers: _Buffers | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s, log p, p, entropy) of one chunk, float64 (s, log p and p in ``buffers``, overwritten by
-    the next chunk)."""
-    buffers = buffers if buffers is not None else _Buffers()
-    s, logp, p = buffers.take(z.shape[0], z.shape[-1], device or z.device)
-    s.copy_(z)
+def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a_v b_v of each row, float64 [rows]: one BLAS dot a row where the rows are few and
+    long (at V = 151,936 the batched forms took 2-5x longer: einsum's bmm, vecdot's product
+    tensor), ``vecdot`` for many short ones."""
+    if a.shape[0] > 16:
+        return torch.linalg.vecdot(a, b)
+    return torch.stack([torch.dot(x, y) for x, y in zip(a, b)])
+
+
+def _scaled(z: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """s = z / t, float64, into ``out`` (the upcast is exact, the division rounds once)."""
+    out.copy_(z)
     if temperature != 1.0:
-        s.div_(temperature)
-    torch._log_softmax(s, -1, False, out=logp)  # torch.log_softmax's own kernel, into the buffer
-    torch.exp(logp, out=p)
-    # -sum p log p, with 0 * log 0 = 0 (exp underflow gives p = 0 exactly, log p finite); a
-    # batched dot product, so no [chunk, V] temporary
-    entropy = -torch.einsum("ij,ij->i", p, logp)
-    return s, logp, p, entropy
+        out.div_(temperature)
+    return out
 
 
 Keep = Mapping[int, Sequence[int]]  # row -> the token ids its sampler kept (rows absent: all)
@@ -159,16 +167,23 @@ def logprob_entropy(
     buffers = _Buffers()
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
-        s, logp_all, _, entropy = _chunk_stats(source.rows(start, stop), temperature, device, buffers)
+        z = source.rows(start, stop)
+        s, logp = buffers.take(z.shape[0], z.shape[-1], device or z.device)
+        _scaled(z, temperature, s)
+        # torch.log_softmax's own kernel, into the buffer: the log-probs are its bits
+        torch._log_softmax(s, -1, False, out=logp)
+        y = targets[start:stop].to(s.device).unsqueeze(1)
+        if logps.device != s.device:  # device None: wherever the logits are
+            logps, entropies = logps.to(s.device), entropies.to(s.device)
         mask = _keep_mask(keep, start, stop, targets, s.shape[-1], s.device)
-        if mask is not None:
-            logp_all = torch.log_softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-        del s
-        y = targets[start:stop].to(logp_all.device).unsqueeze(1)
-        if logps.device != logp_all.device:  # device None: wherever the logits are
-            logps, entropies = logps.to(logp_all.device), entropies.to(logp_all.device)
-        logps[start:stop] = logp_all.gather(1, y).squeeze(1)
-        entropies[start:stop] = entropy
+        if mask is None:
+            logps[start:stop] = logp.gather(1, y).squeeze(1)
+        else:  # over each row's keep set where it has one
+            logps[start:stop] = torch.log_softmax(s.masked_fill(~mask, float("-inf")), dim=-1).gather(1, y).squeeze(1)
+        del mask
+        # -sum p log p, p written over s (done with); 0 * log 0 = 0: exp underflow gives p = 0
+        # exactly, log p finite. A dot product a row, no [chunk, V] temporary.
+        entropies[start:stop] = -_row_dots(torch.exp(logp, out=s), logp)
     return logps, entropies
 
 
@@ -209,21 +224,41 @@ def _grad_chunks(
     buffers = _Buffers()
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
-        s, _, p, _ = _chunk_stats(source.rows(start, stop), temperature, device, buffers)
-        w_lp = w_logprob[start:stop].to(device=s.device, dtype=torch.float64).unsqueeze(1)
-        mask = _keep_mask(keep, start, stop, targets, s.shape[-1], s.device)
-        # the log-prob's softmax: over each row's keep set where it has one
-        q = p if mask is None else torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-        grad = -w_lp * q
-        del q, mask
-        grad.scatter_add_(1, targets[start:stop].to(s.device).unsqueeze(1), w_lp)
+        z = source.rows(start, stop)
+        vocab = z.shape[-1]
+        d, e = buffers.take(z.shape[0], vocab, device or z.device)
+        # one exp per element: d = s - max s (so s - sum p s = d - sum p d), e = exp(d) = p * S
+        _scaled(z, temperature, d)
+        d.sub_(d.amax(dim=-1, keepdim=True))
+        torch.exp(d, out=e)
+        total = e.sum(dim=-1, keepdim=True)  # S
+        scale = total * temperature  # p / t = e / scale
+        w_lp = w_logprob[start:stop].to(device=d.device, dtype=torch.float64).unsqueeze(1)
+        mask = _keep_mask(keep, start, stop, targets, vocab, d.device)
+        # the log-prob's softmax where it is not p: over each row's keep set (before d changes)
+        q = None if mask is None else torch.softmax(d.masked_fill(~mask, float("-inf")), dim=-1)
+        del mask
+        b = -w_lp if q is None else torch.zeros_like(w_lp)  # -w_lp p, when q is p
+        lo, hi, step = columns.indices(vocab)
+        cols = slice(lo, hi) if step == 1 else slice(None)  # a stepped slice: whole, then sliced
+        dc, ec = d[:, cols], e[:, cols]
         if w_entropy is not None and entropy_coef != 0:
-            w_ent = w_entropy[start:stop].to(device=s.device, dtype=torch.float64).unsqueeze(1)
-            s -= torch.einsum("ij,ij->i", p, s).unsqueeze(1)  # s - sum_v p_v s_v, in the buffer
-            grad.addcmul_(s.mul_(p), entropy_coef * w_ent)  # p * (s - sum p s), in the buffer too
-        del s, p  # buffers, overwritten by the next chunk; only the yielded gradient is the caller's
-        grad /= temperature
-        yield start, grad[:, columns]
+            alpha = entropy_coef * w_entropy[start:stop].to(device=d.device, dtype=torch.float64).unsqueeze(1)
+            mean = _row_dots(e, d).unsqueeze(1) / total  # sum_v p_v d_v
+            # (alpha p (d - mean) - w_lp p) / t = e * (alpha d + b - alpha mean) / (S t): addcmul
+            # rounds an element alike wherever the columns start (the tests' column slices check it)
+            grad = torch.addcmul((b - alpha * mean) / scale, dc, alpha / scale).mul_(ec)
+        else:
+            grad = torch.mul(ec, b / scale)
+        del d, e, dc, ec  # buffers, overwritten by the next chunk; only the gradient is the caller's
+        if q is not None:
+            grad.addcmul_(q[:, cols], w_lp / temperature, value=-1)
+            del q
+        if grad.shape[1]:  # + w_lp onehot(y) / t, where y is among the columns
+            y = targets[start:stop].to(grad.device).unsqueeze(1) - (lo if step == 1 else 0)
+            inside = (y >= 0) & (y < grad.shape[1])
+            grad.scatter_add_(1, y.clamp(0, grad.shape[1] - 1), torch.where(inside, w_lp / temperature, 0.0))
+        yield start, grad if step == 1 else grad[:, columns]
         del grad
 
 

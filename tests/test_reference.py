@@ -235,6 +235,90 @@ def test_device_argument_and_empty_input():
     assert chunks == []
 
 
+def _written_out(z_row, y, w_lp, w_ent, coef, temperature, kept=None):
+    """(logp, entropy, d loss / d z) of one row, written out in Python floats (math.exp,
+    math.fsum), from the definitions in the reference's docstring: an independent float64
+    computation, sharing no code with the reference."""
+    s = [x / temperature for x in z_row]
+    m = max(s)
+    e = [math.exp(x - m) for x in s]
+    total = math.fsum(e)
+    p = [x / total for x in e]
+    log_z = m + math.log(total)
+    entropy = -math.fsum(pv * (sv - log_z) for pv, sv in zip(p, s))
+    mean = m + math.fsum(pv * (sv - m) for pv, sv in zip(p, s))  # sum_v p_v s_v, shifted for accuracy
+    pool = range(len(s)) if kept is None else sorted(set(kept) | {y})
+    mk = max(s[v] for v in pool)
+    total_k = math.fsum(math.exp(s[v] - mk) for v in pool)
+    q = [0.0] * len(s)
+    for v in pool:
+        q[v] = math.exp(s[v] - mk) / total_k
+    logp = (s[y] - mk) - math.log(total_k)
+    grad = []
+    for v in range(len(s)):
+        g = w_lp * ((1.0 if v == y else 0.0) - q[v])
+        if w_ent is not None:
+            g += coef * w_ent * p[v] * ((s[v] - m) - (mean - m))
+        grad.append(g / temperature)
+    return logp, entropy, grad
+
+
+# (T, V, temperature, entropy_coef, w_entropy present, chunk_rows, logits' common offset)
+WRITTEN_OUT_CASES = [
+    (5, 9, 1.0, 0.3, True, 2, 0.0),
+    (5, 9, 0.7, -0.5, True, 1, 0.0),
+    (6, 11, 1.3, 0.0, True, 4, 0.0),
+    (4, 8, 0.7, 0.4, False, 3, 0.0),
+    (5, 9, 0.7, 0.3, True, 5, 1000.0),  # a large common offset: the shift by the row's max
+    (3, 1, 0.5, 0.3, True, 2, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", WRITTEN_OUT_CASES, ids=[f"T{c[0]}-V{c[1]}-t{c[2]}-c{c[3]}-off{c[6]}"
+                                                        for c in WRITTEN_OUT_CASES])
+def test_matches_the_formulas_written_out(case):
+    """The reference's values and gradient (one exp per element: d = s - max s and exp(d), the
+    gradient e * (alpha d + b) / (S t), the column range computed alone) against the formulas
+    written out element by element; also peaked rows, a keep set, and column ranges that hold
+    the target, miss it, are empty, or step."""
+    num_rows, vocab, temperature, coef, with_ent, chunk_rows, offset = case
+    gen = torch.Generator().manual_seed(vocab * 31 + num_rows)
+    logits = torch.randn(num_rows, vocab, generator=gen, dtype=F64) * 2 + offset
+    if vocab > 1:
+        logits[0, 1] += 40.0  # a peaked row: p nearly one-hot, most p_v tiny
+    targets = torch.randint(0, vocab, (num_rows,), generator=gen)
+    w_lp = torch.rand(num_rows, generator=gen, dtype=F64) * 2 - 0.5
+    w_ent = torch.rand(num_rows, generator=gen, dtype=F64) if with_ent else None
+    keep = {num_rows - 1: [0, vocab - 1]} if vocab > 2 else None
+    rows = [
+        _written_out(logits[r].tolist(), int(targets[r]), float(w_lp[r]),
+                     float(w_ent[r]) if with_ent else None, coef, temperature,
+                     (keep or {}).get(r))
+        for r in range(num_rows)
+    ]
+    want_lp = torch.tensor([r[0] for r in rows], dtype=F64)
+    want_ent = torch.tensor([r[1] for r in rows], dtype=F64)
+    want_grad = torch.tensor([r[2] for r in rows], dtype=F64)
+
+    got_lp, got_ent = logprob_entropy(logits, targets, temperature=temperature, chunk_rows=chunk_rows, keep=keep)
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_ent, want_ent, rtol=0, atol=1e-12)
+    columns = [None, slice(1, vocab - 1), slice(vocab // 2, vocab // 2), slice(0, None, 3), slice(1, None, 2)]
+    full = None
+    for cols in columns:
+        got = assemble(
+            loss_grad_chunks(logits, targets, w_lp, w_ent, entropy_coef=coef, temperature=temperature,
+                             chunk_rows=chunk_rows, columns=cols, keep=keep),
+            num_rows, len(range(vocab)[cols or slice(None)]), chunk_rows,
+        )
+        torch.testing.assert_close(got, want_grad[:, cols or slice(None)], rtol=0, atol=1e-12,
+                                   msg=lambda m: f"columns {cols}: {m}")
+        if cols is None:
+            full = got
+        else:  # a column range is exactly that slice of the whole gradient
+            torch.testing.assert_close(got, full[:, cols], rtol=0, atol=0, msg=lambda m: f"columns {cols}: {m}")
+
+
 # --------------------------------------------------------------------------------------------
 # 2. lazy Rows source
 # --------------------------------------------------------------------------------------------
