@@ -200,10 +200,12 @@ class Lockstep:
         # in any group, a status) restarts it. A peer busy with calls elsewhere is not hung.
         keys, t_progress = self._keys(), t_call
         look = t_call + SLICE_S  # when the statuses are looked at next
+        arrived: int | None = None  # the peer whose arrival the last wait saw: no need to ask
+        first = True  # nobody is known to have arrived yet: wait before asking
         try:
             while True:
                 for p in agree:
-                    if p in same or p in differ or not self.store.check([arrive[p]]):
+                    if p in same or p in differ or (p != arrived and (first or not self.store.check([arrive[p]]))):
                         continue
                     value = self.store.get(arrive[p]).decode()
                     if value == digest:
@@ -212,6 +214,7 @@ class Lockstep:
                         self._not_coming(call, mine, same, p, json.loads(value), t_call)
                     else:
                         differ.add(p)
+                first, arrived = False, None
                 missing = [p for p in agree if p not in same and p not in differ]
                 if not missing and not differ:
                     return
@@ -254,6 +257,7 @@ class Lockstep:
                 key = plain[min(differ)] if differ else arrive[missing[0]]
                 try:
                     self.store.wait([key], datetime.timedelta(seconds=max(0.001, min(SLICE_S, look - time.time()))))
+                    arrived = None if differ else missing[0]
                 except dist.DistStoreError:
                     pass
         finally:
