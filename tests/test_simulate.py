@@ -185,7 +185,6 @@ def test_a_simulation_still_going_rank_after_rank_is_not_hung():
     itself (the deadline follows the simulation's progress), so 4 s in all pass."""
     sc = Scenario("slow8", (Sample(12, 4),), vocab=8, tp=8)
     with FakeWorld([8], timeout=2, workers=1) as w:
-        runner.run([sc], "builtin", reporter=SilentReport(), world=w)  # the process's imports, done once
         result = runner.run([sc], "plants:SlowPerRank", reporter=SilentReport(), world=w)
     v = result.verdicts[0]
     assert v.status == "pass" and v.seconds > 4.0, [f.message for f in v.failures]
@@ -203,7 +202,6 @@ def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target()
                             % hog_cpu()])
     try:
         with FakeWorld([2], timeout=2, workers=1) as w:
-            runner.run([sc], "builtin", reporter=SilentReport(), world=w)  # the process's imports, done once
             result = runner.run([sc], "plants:StarvedEverywhere", reporter=SilentReport(), world=w)
     finally:
         hog.kill()

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shardcheck.errors import WorldError
 from shardcheck.harness import wire
 from shardcheck.harness.controller.cpu_wait import CpuWait
 from shardcheck.harness.wire import RANK_ERROR, TIMEOUT, Checks, Failure, RankResult
@@ -36,11 +37,12 @@ class FakeWorld:
     backend = BACKEND
 
     def __init__(self, sizes: Sequence[int], timeout: float = 60.0, workers: int | None = None,
-                 share_rank_lists: bool = True) -> None:
+                 share_rank_lists: bool = True, start_timeout: float = 180.0) -> None:
         from shardcheck.harness.controller.machine import usable_cores
 
         self.nproc = math.lcm(*sizes) if sizes else 1
         self.timeout = timeout
+        self.start_timeout = start_timeout  # a simulation process's imports, before any scenario's deadline
         self.workers = max(1, workers if workers is not None else usable_cores())
         # megatron's rank lists computed once per layout, each simulated rank creating only its own
         # groups (groups.share_rank_lists); False: every rank builds all of them (the benchmark's baseline)
@@ -65,6 +67,18 @@ class FakeWorld:
             proc.start()
             child.close()
             self._children.append((proc, parent))
+        # each has imported what a simulated rank needs before a deadline of a scenario runs
+        for proc, conn in self._children:
+            left = t0 + self.start_timeout - time.perf_counter()
+            try:
+                ready = conn.poll(max(0.0, left)) and conn.recv()[0] == "ready"
+            except (EOFError, OSError):
+                ready = False
+            if not ready:
+                codes = [p.exitcode for p, _ in self._children]
+                self.close()
+                raise WorldError(f"a simulation process did not start within {self.start_timeout:g}s "
+                                 f"(exit codes {codes})")
         self.startup_seconds.append(time.perf_counter() - t0)
 
     def ensure_ready(self) -> None:

@@ -104,6 +104,9 @@ labels out, until ``stop`` or EOF."""
     torch.set_num_threads(1)
     runner = RankRunner(0, None, torch.device("cpu"))
     runner.trace_cap = None
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (imported once, at start)
+
+    conn.send(("ready", None))  # the start-up is over: a scenario's deadline starts with it
     try:
         while True:
             try:
