@@ -41,7 +41,7 @@ from shardcheck.harness.rank.pipeline import Check, Frame, Life, raise_payload
 from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
 from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key
 
-FIRST_WAIT_S = 0.002  # how long a call waits for agreeing peers before it looks at who arrived
+FIRST_WAIT_S = 0.005  # how long a call waits for agreeing peers before it looks at who arrived
 SLICE_S = 0.05  # how often a wait looks at the peers' status
 LAST_MATCHED = 3
 DIGESTS_KEPT = 4096  # memoised fingerprint digests; a long run with ever new shapes starts over
@@ -189,8 +189,15 @@ class Lockstep:
         arrive = {p: arrive_key(self.seq, call.group, call.number, p) for p in agree}
         plain = {p: call_key(self.seq, call.group, call.number, p) for p in agree}
         # published in full for the report: the fingerprint, and where a backward call's
-        # autograd node was made (not agreed on: it is known only when explaining)
-        mine = json.dumps(call.fingerprint() | {"created_at": call.created_at}, sort_keys=True)
+        # autograd node was made (not agreed on: it is known only when explaining); made only
+        # for a report (most late peers agree)
+        shown_text: list[str] = []
+
+        def mine() -> str:
+            if not shown_text:
+                shown_text.append(json.dumps(call.fingerprint() | {"created_at": call.created_at}, sort_keys=True))
+            return shown_text[0]
+
         same: set[int] = set()
         differ: set[int] = set()
         shown = False
@@ -198,7 +205,7 @@ class Lockstep:
         cycle_seen = None
         # The wait's deadline follows the world's progress: a key set anywhere (a call announced
         # in any group, a status) restarts it. A peer busy with calls elsewhere is not hung.
-        keys, t_progress = self._keys(), t_call
+        keys, t_progress = None, t_call  # the count is first read at the first look
         look = t_call + SLICE_S  # when the statuses are looked at next
         arrived: int | None = None  # the peer whose arrival the last wait saw: no need to ask
         first = True  # nobody is known to have arrived yet: wait before asking
@@ -220,11 +227,11 @@ class Lockstep:
                     return
                 if differ:
                     if not shown:  # each side publishes its own on seeing the other's digest differ
-                        self._set(call_key(self.seq, call.group, call.number, self.rank), mine)
+                        self._set(call_key(self.seq, call.group, call.number, self.rank), mine())
                         shown = True
                     ready = [p for p in sorted(differ) if self.store.check([plain[p]])]
                     if ready:
-                        sides = {r: json.loads(mine) for r in [self.rank, *same]}
+                        sides = {r: json.loads(mine()) for r in [self.rank, *same]}
                         sides |= {p: json.loads(self.store.get(plain[p])) for p in ready}
                         raise CollectiveMismatch(self._report(call, {r: _side(fp) for r, fp in sides.items()}, t_call))
                 now = time.time()
@@ -246,7 +253,9 @@ class Lockstep:
                         raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, t_call))
                     cycle_seen = cycle
                     now_keys = self._keys()
-                    if now_keys != keys:
+                    if keys is None:
+                        keys = now_keys
+                    elif now_keys != keys:
                         keys, t_progress = now_keys, time.time()
                     elif time.time() - t_progress > self.timeout:
                         waited = f"waited {time.time() - t_call:.0f}s" + (
@@ -265,11 +274,11 @@ class Lockstep:
                 self._set_status({"state": "running"})
             self.waiting = None
 
-    def _not_coming(self, call: Call, mine: str, same: set[int], peer: int, status: dict[str, Any],
+    def _not_coming(self, call: Call, mine: Callable[[], str], same: set[int], peer: int, status: dict[str, Any],
                     t_call: float) -> None:
         """Raise for a peer that will not make this call: it finished (a mismatch) or stopped."""
         if status["state"] == "finished":
-            sides = {r: _side(json.loads(mine)) for r in [self.rank, *same]}
+            sides = {r: _side(json.loads(mine())) for r in [self.rank, *same]}
             sides[peer] = {"finished_after": status["counts"].get(call.group, 0)}
             raise CollectiveMismatch(self._report(call, sides, t_call))
         raise PeerStopped(self._stopped_report(call, peer, status))
