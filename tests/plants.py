@@ -933,6 +933,18 @@ def hog_cpu() -> int:
     return max(os.sched_getaffinity(0))
 
 
+def _work_at_idle_priority_on_the_hog_cpu() -> None:
+    """This process onto hog_cpu() at SCHED_IDLE (it runs only when that CPU has nothing else to
+    do), then 0.3 s of CPU work."""
+    import time
+
+    os.sched_setaffinity(0, {hog_cpu()})
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    spent = time.process_time()
+    while time.process_time() - spent < 0.3:
+        pass
+
+
 class StarvedOnRankOne(BuiltinTarget):
     """builtin, except that rank 1 first moves onto hog_cpu() at SCHED_IDLE (it runs only when that
     CPU has nothing else to do) and does 0.3 s of work: with a busy process on that CPU it waits
@@ -941,14 +953,8 @@ class StarvedOnRankOne(BuiltinTarget):
     name = "plants:StarvedOnRankOne"
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
-        import time
-
         if _global_rank() == 1:
-            os.sched_setaffinity(0, {hog_cpu()})
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            spent = time.process_time()
-            while time.process_time() - spent < 0.3:
-                pass
+            _work_at_idle_priority_on_the_hog_cpu()
         return super().compute(inputs)
 
 
@@ -971,11 +977,5 @@ class StarvedEverywhere(BuiltinTarget):
     name = "plants:StarvedEverywhere"
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
-        import time
-
-        os.sched_setaffinity(0, {hog_cpu()})
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        spent = time.process_time()
-        while time.process_time() - spent < 0.3:
-            pass
+        _work_at_idle_priority_on_the_hog_cpu()
         return super().compute(inputs)
