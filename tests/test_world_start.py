@@ -67,12 +67,14 @@ def test_a_rank_imports_parallel_state_and_not_the_rest_of_megatron_core_until_a
         "import megatron.core.parallel_state as again\n"
         "print(again is ps, ps.__file__.endswith('megatron/core/parallel_state.py'),\n"
         "      'megatron.core.tensor_parallel' in sys.modules, 'megatron.core.transformer' in sys.modules)\n"
-        "from megatron.core import ModelParallelConfig, tensor_parallel\n"
         "import megatron.core\n"
+        "version = megatron.core.__version__  # a name the package's __init__ sets: it runs then\n"
+        "from megatron.core import ModelParallelConfig, tensor_parallel\n"
+        "from importlib.metadata import version as installed\n"
         "print(megatron.core.ModelParallelConfig is ModelParallelConfig, megatron.core.parallel_state is ps,\n"
-        "      tensor_parallel.vocab_parallel_cross_entropy.__module__)\n")
+        "      tensor_parallel.vocab_parallel_cross_entropy.__module__, version == installed('megatron-core'))\n")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=120,
                          cwd="/")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["True True False False",
-                                       "True True megatron.core.tensor_parallel.cross_entropy"], out.stdout
+                                       "True True megatron.core.tensor_parallel.cross_entropy True"], out.stdout

@@ -26,8 +26,6 @@ class _InitOnFirstName(types.ModuleType):
     """``megatron.core`` before its ``__init__`` ran: asked for a name it lacks, it runs it."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):  # probes (copy, pickle, inspect) need no init
-            raise AttributeError(name)
         if importlib.util.find_spec(f"{self.__name__}.{name}") is not None:
             return importlib.import_module(f"{self.__name__}.{name}")  # a submodule: as the import system would
         self.__class__ = types.ModuleType  # run once; from now on a plain module
