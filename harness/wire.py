@@ -65,6 +65,15 @@ def process_alive(pid: int) -> bool:
             return True
 
 
+def store_progress(store: Any) -> int | None:
+    """How many keys a c10d store holds: a count that moves is ranks making progress (every call
+    lockstep checks sets keys). None where the store cannot say: a deadline then runs unrenewed."""
+    try:
+        return store.num_keys()
+    except Exception:  # noqa: BLE001  (a store without the count, or gone)
+        return None
+
+
 def target_settings() -> dict[str, str]:
     """The controller's settings of a target as they are now (a checkout, ``--target-opt``s):
     sent with each run, so a world started before they changed runs what the controller means."""

@@ -201,10 +201,10 @@ class SpawnedWorld:
         # The deadline follows progress: a result, or a key set in the store (a call announced
         # in lockstep, a status), starts it again. Ranks still working through calls are not hung.
         t_start = time.perf_counter()
-        deadline, keys = t_start + limit, self._keys()
+        deadline, keys = t_start + limit, wire.store_progress(self._store)
         while len(results) < self.nproc:
             pending = [r for r in range(self.nproc) if r not in results]
-            now_keys = self._keys()
+            now_keys = wire.store_progress(self._store)
             if now_keys != keys:
                 keys, deadline = now_keys, time.perf_counter() + limit
             left = deadline - time.perf_counter()
@@ -275,13 +275,6 @@ class SpawnedWorld:
         self._end(pending, results,
                   lambda r, where: f"rank {r} hung: it did not arrive where ranks {peers} {waited}; rank {r} was at {where}",
                   blamed=True, window=self.timeout)
-
-    def _keys(self) -> int | None:
-        """How many keys the world's store holds: a count that moves is ranks making progress."""
-        try:
-            return self._store.num_keys()
-        except Exception:  # noqa: BLE001  (no count: the deadline runs from the last result)
-            return None
 
     def _kill(self, ranks: list[int]) -> None:
         """End ranks that will not answer a polite stop (busy, or stuck in a collective)."""

@@ -27,6 +27,7 @@ in the store, however many scenarios it runs.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import time
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from shardcheck.harness.rank import trace
 from shardcheck.harness.rank.pipeline import Check, Frame, Life, raise_payload
 from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
-from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key
+from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key, store_progress
 
 FIRST_WAIT_S = 0.005  # how long a call waits for agreeing peers before it looks at who arrived
 SLICE_S = 0.05  # how often a wait looks at the peers' status
@@ -191,12 +192,9 @@ class Lockstep:
         # published in full for the report: the fingerprint, and where a backward call's
         # autograd node was made (not agreed on: it is known only when explaining); made only
         # for a report (most late peers agree)
-        shown_text: list[str] = []
-
+        @functools.cache
         def mine() -> str:
-            if not shown_text:
-                shown_text.append(json.dumps(call.fingerprint() | {"created_at": call.created_at}, sort_keys=True))
-            return shown_text[0]
+            return json.dumps(call.fingerprint() | {"created_at": call.created_at}, sort_keys=True)
 
         same: set[int] = set()
         differ: set[int] = set()
@@ -252,7 +250,7 @@ class Lockstep:
                     if cycle and cycle == cycle_seen:  # the same cycle twice: not a stale read
                         raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, t_call))
                     cycle_seen = cycle
-                    now_keys = self._keys()
+                    now_keys = store_progress(self.store)
                     if keys is None:
                         keys = now_keys
                     elif now_keys != keys:
@@ -282,13 +280,6 @@ class Lockstep:
             sides[peer] = {"finished_after": status["counts"].get(call.group, 0)}
             raise CollectiveMismatch(self._report(call, sides, t_call))
         raise PeerStopped(self._stopped_report(call, peer, status))
-
-    def _keys(self) -> int | None:
-        """How many keys the store holds (None where the store cannot say)."""
-        try:
-            return self.store.num_keys()
-        except Exception:  # noqa: BLE001  (a store without the count: the deadline runs from the call)
-            return None
 
     def _statuses(self) -> dict[int, dict[str, Any]]:
         out = {}
