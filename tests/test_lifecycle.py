@@ -16,7 +16,12 @@ pytestmark = pytest.mark.world
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
-    report, temp = tmp_path / "r.json", tmp_path / "tmp"
+    """Also under a TMPDIR too long for the fork server's socket (a pytest-xdist worker's
+    tmp_path is): the server listens in a short folder instead, which is gone after the run
+    (removed at exit, or by the next run's sweep when the run was killed)."""
+    from shardcheck.harness.controller import leftovers
+
+    report, temp = tmp_path / "r.json", tmp_path / ("long-" * 12)
     temp.mkdir()
     env = dict(os.environ, PYTHONPATH=str(TESTS), TMPDIR=str(temp))
     out, err = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
@@ -24,7 +29,7 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
                              "--json-report", str(report)], env=env, stdout=out, stderr=err)
     try:
         deadline = time.time() + 180
-        while time.time() < deadline:
+        while time.time() < deadline and proc.poll() is None:
             try:  # read while it is written: a partial read is retried
                 if report.exists() and len(json.loads(report.read_text()).get("scenarios", [])) >= 3:
                     break
@@ -32,7 +37,8 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
                 pass
             time.sleep(0.2)
         else:
-            pytest.fail("no results within 180 s")
+            pytest.fail(f"no results (the run's exit status: {proc.poll()}): "
+                        + (tmp_path / "stderr").read_text()[-2000:])
         ranks = descendants(proc.pid)
         assert len(ranks) >= 4
         proc.send_signal(sig)
@@ -50,6 +56,10 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
             assert "scenarios:" in stdout and "passed" in stdout, stdout
             left = [e for e in os.listdir(temp) if not e.startswith("torchinductor_")]  # torch's cache: kept
             assert left == [], left
+        leftovers.sweep()  # what the next run does first: a killed run's folders go
+        mine = f"shardcheck-mp-{proc.pid}-"
+        assert [e for root in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(root)
+                for e in os.listdir(root) if e.startswith(mine)] == []
     finally:
         if proc.poll() is None:
             proc.kill()
