@@ -3,7 +3,8 @@
 Prints, for the smoke suite against the builtin target:
   - wall time with lockstep, without it (trace only), and with TORCH_DISTRIBUTED_DEBUG=DETAIL
     alone (no lockstep), each as total (with world start-up) and scenario time (without), and
-    their ratios to the run without lockstep;
+    their ratios to the run without lockstep (the runs with and without it alternate, on two
+    worlds alive together);
   - for every mutant whose bug is a would-be hang, the time from the divergent call to the
     controller holding its report.
 
@@ -24,29 +25,50 @@ from shardcheck.scenarios import get_suite
 from shardcheck.targets.mutants import MUTANTS
 
 
-def _smoke(lockstep: bool, detail: bool, repeat: int) -> dict[str, float]:
+def _run_smoke(world: SpawnedWorld, label: str) -> float:
+    t = time.perf_counter()
+    result = runner.run(get_suite("smoke"), "builtin", reporter=SilentReport(), world=world)
+    if result.exit_code != 0:
+        raise SystemExit(f"smoke failed ({label})")
+    return time.perf_counter() - t
+
+
+def _interleaved(repeat: int) -> dict[str, dict[str, float]]:
+    """With and without lockstep, one world each, alive together; the runs alternate (the order
+    swapped every round) so that the machine's noise falls on both alike."""
+    worlds, startup = {}, {}
+    try:
+        for label, lockstep in (("no lockstep (trace only)", False), ("lockstep", True)):
+            t0 = time.perf_counter()
+            worlds[label] = SpawnedWorld(4, timeout=60, lockstep=lockstep).__enter__()
+            startup[label] = time.perf_counter() - t0
+        times: dict[str, list[float]] = {label: [] for label in worlds}
+        for i in range(repeat):
+            for label in (list(worlds) if i % 2 == 0 else list(worlds)[::-1]):
+                times[label].append(_run_smoke(worlds[label], label))
+    finally:
+        for w in worlds.values():
+            w.close()
+    return {label: {"startup": startup[label], "scenarios": statistics.median(t),
+                    "total": startup[label] + statistics.median(t), "runs": t} for label, t in times.items()}
+
+
+def _detail(repeat: int) -> dict[str, float]:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL alone: read when torch loads, so its ranks are spawned afresh."""
     saved = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
-    if detail:
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read by the ranks when their groups are made
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     try:
         t0 = time.perf_counter()
-        with SpawnedWorld(4, timeout=60, lockstep=lockstep) as world:
+        with SpawnedWorld(4, timeout=60, lockstep=False) as world:
             startup = time.perf_counter() - t0
-            scenario_times = []
-            for _ in range(repeat):
-                t1 = time.perf_counter()
-                result = runner.run(get_suite("smoke"), "builtin", reporter=SilentReport(), world=world)
-                scenario_times.append(time.perf_counter() - t1)
-                if result.exit_code != 0:
-                    raise SystemExit(f"smoke failed (lockstep={lockstep}, detail={detail})")
-        return {"startup": startup, "scenarios": statistics.median(scenario_times),
-                "total": startup + statistics.median(scenario_times)}
+            times = [_run_smoke(world, "DETAIL") for _ in range(repeat)]
+        return {"startup": startup, "scenarios": statistics.median(times),
+                "total": startup + statistics.median(times), "runs": times}
     finally:
-        if detail:
-            if saved is None:
-                del os.environ["TORCH_DISTRIBUTED_DEBUG"]
-            else:
-                os.environ["TORCH_DISTRIBUTED_DEBUG"] = saved
+        if saved is None:
+            del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = saved
 
 
 def _detection() -> list[tuple[str, str, float, float]]:
@@ -72,19 +94,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="smoke runs per mode (median reported)")
     args = ap.parse_args()
-    modes = {
-        "no lockstep (trace only)": (False, False),
-        "lockstep": (True, False),
-        "TORCH_DISTRIBUTED_DEBUG=DETAIL, no lockstep": (False, True),
-    }
-    figures = {label: _smoke(lock, detail, args.repeat) for label, (lock, detail) in modes.items()}
+    figures = _interleaved(args.repeat)
+    figures["TORCH_DISTRIBUTED_DEBUG=DETAIL, no lockstep"] = _detail(args.repeat)
     base = figures["no lockstep (trace only)"]
     print(f"smoke suite, builtin target, 4 ranks (gloo), {len(get_suite('smoke'))} scenarios, "
-          f"median of {args.repeat} runs on one world per mode")
+          f"median of {args.repeat} runs on one world per mode (with and without lockstep in turn)")
     print(f"{'mode':<44} {'start-up':>9} {'scenarios':>10} {'total':>8} {'ratio(scen)':>12} {'ratio(total)':>13}")
     for label, f in figures.items():
         print(f"{label:<44} {f['startup']:>8.2f}s {f['scenarios']:>9.2f}s {f['total']:>7.2f}s "
-              f"{f['scenarios'] / base['scenarios']:>11.2f}x {f['total'] / base['total']:>12.2f}x")
+              f"{f['scenarios'] / base['scenarios']:>11.2f}x {f['total'] / base['total']:>12.2f}x"
+              f"   runs: {', '.join(f'{t:.2f}' for t in f['runs'])}")
     print()
     print("hang mutants on the regressions suite: divergent call -> detected on the rank -> report at the controller")
     print(f"{'mutant':<28} {'scenario':<28} {'detected':>10} {'reported':>10}")

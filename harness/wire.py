@@ -66,8 +66,9 @@ def process_alive(pid: int) -> bool:
 
 
 def store_progress(store: Any) -> int | None:
-    """How many keys a c10d store holds: a count that moves is ranks making progress (every call
-    lockstep checks sets keys). None where the store cannot say: a deadline then runs unrenewed."""
+    """How many keys a c10d store holds: a count that moves is ranks making progress (statuses,
+    and every call lockstep checks over the store; a world with a shared board counts its calls
+    there too). None where the store cannot say: a deadline then runs unrenewed."""
     try:
         return store.num_keys()
     except Exception:  # noqa: BLE001  (a store without the count, or gone)

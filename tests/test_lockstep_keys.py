@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.rank.lockstep import CollectiveMismatch, Lockstep, agree_key, call_key
+from shardcheck.harness.rank.arrivals import agree_key
+from shardcheck.harness.rank.lockstep import CollectiveMismatch, Lockstep, call_key
 from shardcheck.harness.wire import status_key
 from shardcheck.harness.rank.trace import Call
 from shardcheck.scenarios import Sample, Scenario

@@ -26,6 +26,7 @@ from shardcheck.errors import WorldError
 from shardcheck.harness import wire
 from shardcheck.harness.controller import leftovers, memory
 from shardcheck.harness.controller.cpu_wait import CpuWait
+from shardcheck.harness.rank import board
 from shardcheck.harness.rank.main import rank_main
 from shardcheck.harness.wire import TIMEOUT, Checks, Failure, RankResult
 
@@ -47,6 +48,7 @@ class SpawnedWorld:
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._store: Any = None
+        self._board: board.Board | None = None  # the lockstep's shared board (see rank/board.py)
         self._dir: tempfile.TemporaryDirectory | None = None
         self._healthy = False
         self._seq = 0
@@ -83,6 +85,11 @@ class SpawnedWorld:
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.start_timeout))
         env = _rank_environment()
+        self._board = None
+        if self.lockstep and board.supported():  # the ranks' lockstep then speaks through it
+            path = os.path.join(self._dir.name, "board")
+            board.create(path, self.nproc)
+            self._board = board.Board(path, self.nproc)
         ctx = _start_context(self.backend, env, self.fork_server)
         atexit.register(self.close)
         for rank in range(self.nproc):
@@ -93,6 +100,7 @@ class SpawnedWorld:
                 "traceback_file": self._traceback_file(rank),
                 "output_file": self._output_file(rank),
                 "lockstep": self.lockstep,
+                "board": os.path.join(self._dir.name, "board") if self._board is not None else None,
                 "backend": self.backend,
                 "environment": env,
                 "controller_pid": os.getpid(),
@@ -161,12 +169,18 @@ class SpawnedWorld:
             conn.close()
         self._procs, self._conns = [], []
         self._store = None  # the last reference: the server socket closes
+        self._board = None
         if self._dir is not None:
             self._collect_output()
             self._dir.cleanup()
             self._dir = None
         self._healthy = False
         atexit.unregister(self.close)
+
+    def _progress(self) -> tuple[int | None, int]:
+        """What moves while ranks make progress: the store's keys (statuses, the lockstep's keys
+        where it speaks over the store) and the calls announced on the board."""
+        return wire.store_progress(self._store), self._board.calls() if self._board is not None else 0
 
     def restart(self) -> None:
         self.close()
@@ -201,10 +215,10 @@ class SpawnedWorld:
         # The deadline follows progress: a result, or a key set in the store (a call announced
         # in lockstep, a status), starts it again. Ranks still working through calls are not hung.
         t_start = time.perf_counter()
-        deadline, keys = t_start + limit, wire.store_progress(self._store)
+        deadline, keys = t_start + limit, self._progress()
         while len(results) < self.nproc:
             pending = [r for r in range(self.nproc) if r not in results]
-            now_keys = wire.store_progress(self._store)
+            now_keys = self._progress()
             if now_keys != keys:
                 keys, deadline = now_keys, time.perf_counter() + limit
             left = deadline - time.perf_counter()

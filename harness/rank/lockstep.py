@@ -1,27 +1,27 @@
 """The lockstep check: before a collective reaches the backend, the ranks of its group compare
-fingerprints over the c10d store, with bounded waits, so a would-be hang becomes a report.
+fingerprints, with bounded waits, so a would-be hang becomes a report.
 
-Per call, a rank sets, in one round trip, ``agree/<seq>/<group>/<number>/<digest>/<rank>`` (the
-digest of its fingerprint) and ``arrive/<seq>/<group>/<number>/<rank>`` (holding the digest), and
-waits for its peers' agree keys with the same digest: two store round trips when all agree, and
-the call goes on. When that first wait runs out (FIRST_WAIT_S), the rank waits on the arrive key
-of a peer not yet seen, which wakes it the moment that peer arrives, whatever its fingerprint: a
-peer with another digest is a divergence at once; both publish their whole fingerprints under
-``call/<seq>/<group>/<number>/<rank>``, every member raises :class:`CollectiveMismatch`, and the
-call is never issued, so the backend's groups stay in step.
+Per call, a rank announces the digest of its fingerprint and waits for its peers to announce the
+same one (``arrivals.py``: one word on the shared board of a world on one machine, keys in the
+c10d store otherwise); equal digests, the call goes on. When that first wait runs out
+(FIRST_WAIT_S), the rank waits on a peer not yet seen, which wakes it the moment that peer
+arrives, whatever its fingerprint: a peer with another digest is a divergence at once; both
+publish their whole fingerprints under ``call/<seq>/<group>/<number>/<rank>`` in the store,
+every member raises :class:`CollectiveMismatch`, and the call is never issued, so the backend's
+groups stay in step.
 
-A rank that finishes the scenario or stops on an error sets, for every group it called in, the
-arrive key of the next call it will never make, holding why: a peer waiting there wakes at once
-(a mismatch: the peer issues a call this rank never does; or :class:`PeerStopped`). The rest is
-found through status keys (``status/<seq>/<rank>``), looked at every SLICE_S: the controller says
-so for a rank that died, and a rank waiting that long publishes what it waits for, so ranks that
-wait for each other in a cycle (each blocked in a different group) are a mismatch too.
+A rank that finishes the scenario or stops on an error says so at the next call it will never
+make in every group it belongs to: a peer waiting there wakes at once (a mismatch: the peer
+issues a call this rank never does; or :class:`PeerStopped`). The rest is found through status
+keys in the store (``status/<seq>/<rank>``), looked at every SLICE_S: the controller says so for
+a rank that died, and a rank waiting that long publishes what it waits for, so ranks that wait
+for each other in a cycle (each blocked in a different group) are a mismatch too.
 
 Every key a rank sets names that rank, and only peers in the same scenario read it. A rank
-deletes the keys it set when it begins the next scenario: the controller (or a joined world's
-exchange of results) starts that one only after every rank has returned its result for the one
-before, so nobody reads them any more. A long run thus holds at most one scenario's keys per rank
-in the store, however many scenarios it runs.
+deletes the keys it set (and empties its part of the board) when it begins the next scenario:
+the controller (or a joined world's exchange of results) starts that one only after every rank
+has returned its result for the one before, so nobody reads them any more. A long run thus holds
+at most one scenario's keys per rank in the store, however many scenarios it runs.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from typing import Any
 import torch.distributed as dist
 
 from shardcheck.harness.rank import trace
+from shardcheck.harness.rank.arrivals import BoardArrivals, StoreArrivals
+from shardcheck.harness.rank.board import Board
 from shardcheck.harness.rank.pipeline import Check, Frame, Life, raise_payload
 from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
-from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key, store_progress
+from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key
 
 FIRST_WAIT_S = 0.005  # how long a call waits for agreeing peers before it looks at who arrived
 SLICE_S = 0.05  # how often a wait looks at the peers' status
@@ -48,16 +50,8 @@ LAST_MATCHED = 3
 DIGESTS_KEPT = 4096  # memoised fingerprint digests; a long run with ever new shapes starts over
 
 
-def agree_key(seq: int, group: str, number: int, digest: str, rank: int) -> str:
-    return f"agree/{seq}/{group}/{number}/{digest}/{rank}"
-
-
 def call_key(seq: int, group: str, number: int, rank: int) -> str:
     return f"call/{seq}/{group}/{number}/{rank}"
-
-
-def arrive_key(seq: int, group: str, number: int, rank: int) -> str:
-    return f"arrive/{seq}/{group}/{number}/{rank}"
 
 
 class CollectiveMismatch(RuntimeError):
@@ -90,14 +84,12 @@ class Lockstep:
 
     def __init__(self, port: int, rank: int, world_size: int, timeout: float,
                  label: Callable[[str], str] | None = None, host: str = "127.0.0.1",
-                 member_groups: Callable[[], list[str]] | None = None) -> None:
+                 member_groups: Callable[[], list[str]] | None = None, board: Board | None = None) -> None:
         # get is only called for keys known to exist: a get that times out would leave its late
         # reply on the socket. Waiting is done with wait(keys, timeout), which cancels cleanly
         # on the server when it times out.
         self.store = dist.TCPStore(host, port, is_master=False,
                                    timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
-        self.slice = datetime.timedelta(seconds=SLICE_S)
-        self.first_wait = datetime.timedelta(seconds=FIRST_WAIT_S)
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -110,12 +102,15 @@ class Lockstep:
         self.waiting: dict[str, Any] | None = None
         self._digests: dict[tuple, str] = {}
         self._written: set[str] = set()  # the keys this rank set since it last deleted its own
+        self.arrivals = (BoardArrivals(board, self.store, self._status_of) if board is not None
+                         else StoreArrivals(self.store, rank, lambda keys: self._written.update(keys)))
 
     def begin(self, seq: int, scenario: str) -> None:
         """Start scenario ``seq``. Every rank has returned its result for the scenarios before
         it, so no peer reads the keys this rank set for them any more: they are deleted now."""
         self._forget()
         self.seq, self.scenario = seq, scenario
+        self.arrivals.begin(seq)
         self.matched.clear()
         self.counts = {}
         self.waiting = None
@@ -123,10 +118,6 @@ class Lockstep:
     def _set(self, key: str, value: str) -> None:
         self._written.add(key)
         self.store.set(key, value)
-
-    def _set_many(self, keys: list[str], values: list[str]) -> None:
-        self._written.update(keys)
-        self.store.multi_set(keys, values)
 
     def _forget(self) -> None:
         """Delete the keys this rank set. Best effort: a store that fails here fails again at
@@ -154,9 +145,7 @@ class Lockstep:
             never = [g for g in self.member_groups() if g not in self.counts]
         except Exception:  # noqa: BLE001  (groups gone: peers find the status at their next look)
             never = []
-        keys = [arrive_key(self.seq, group, n, self.rank) for group, n in [*self.counts.items(), *((g, 0) for g in never)]]
-        if keys:
-            self._set_many(keys, [json.dumps(why)] * len(keys))
+        self.arrivals.mark([*self.counts.items(), *((g, 0) for g in never)], why)
 
     def _set_status(self, status: dict[str, Any]) -> None:
         self._set(status_key(self.seq, self.rank), json.dumps(status))
@@ -174,21 +163,17 @@ class Lockstep:
             if len(self._digests) >= DIGESTS_KEPT:
                 self._digests.clear()
             digest = self._digests[fp_key] = hashlib.blake2b(repr(fp_key).encode(), digest_size=8).hexdigest()
-        # Fast path, two round trips: announce my fingerprint's digest (and that I arrived), then
-        # wait for every peer to have announced the same one. Equal digests: the call goes on.
-        self._set_many([agree_key(self.seq, call.group, call.number, digest, self.rank),
-                        arrive_key(self.seq, call.group, call.number, self.rank)], ["", digest])
-        agree = {p: agree_key(self.seq, call.group, call.number, digest, p) for p in peers}
-        try:
-            self.store.wait(list(agree.values()), self.first_wait)
-        except dist.DistStoreError:
-            self._slow_path(call, digest, agree, t_call)
+        # Fast path: announce my fingerprint's digest, then wait for every peer to have announced
+        # the same one. Equal digests: the call goes on.
+        self.arrivals.announce(call, digest)
+        if not self.arrivals.agreed(call, digest, peers, FIRST_WAIT_S):
+            self._slow_path(call, digest, peers, t_call)
         self.matched[call.group].append(call)
 
-    def _slow_path(self, call: Call, digest: str, agree: dict[int, str], t_call: float) -> None:
+    def _slow_path(self, call: Call, digest: str, peers: list[int], t_call: float) -> None:
         """A peer is late or different: wait on its arrival, whatever it brings, then find out which."""
-        arrive = {p: arrive_key(self.seq, call.group, call.number, p) for p in agree}
-        plain = {p: call_key(self.seq, call.group, call.number, p) for p in agree}
+        arrivals = self.arrivals
+        plain = {p: call_key(self.seq, call.group, call.number, p) for p in peers}
         # published in full for the report: the fingerprint, and where a backward call's
         # autograd node was made (not agreed on: it is known only when explaining); made only
         # for a report (most late peers agree)
@@ -206,21 +191,24 @@ class Lockstep:
         keys, t_progress = None, t_call  # the count is first read at the first look
         look = t_call + SLICE_S  # when the statuses are looked at next
         arrived: int | None = None  # the peer whose arrival the last wait saw: no need to ask
-        first = True  # nobody is known to have arrived yet: wait before asking
+        first = arrivals.costly  # nobody is known to have arrived yet: wait before asking
         try:
             while True:
-                for p in agree:
-                    if p in same or p in differ or (p != arrived and (first or not self.store.check([arrive[p]]))):
+                ticket = arrivals.ticket()  # before looking: a peer arriving after the look wakes the wait
+                for p in peers:
+                    if p in same or p in differ or (first and p != arrived):
                         continue
-                    value = self.store.get(arrive[p]).decode()
-                    if value == digest:
+                    value = arrivals.seen(call, p, known=p == arrived)
+                    if value is None:
+                        continue
+                    if isinstance(value, dict):  # it finished or stopped instead of making this call
+                        self._not_coming(call, mine, same, p, value, t_call)
+                    elif arrivals.same(value, digest):
                         same.add(p)
-                    elif value.startswith("{"):  # it finished or stopped instead of making this call
-                        self._not_coming(call, mine, same, p, json.loads(value), t_call)
                     else:
                         differ.add(p)
                 first, arrived = False, None
-                missing = [p for p in agree if p not in same and p not in differ]
+                missing = [p for p in peers if p not in same and p not in differ]
                 if not missing and not differ:
                     return
                 if differ:
@@ -250,7 +238,7 @@ class Lockstep:
                     if cycle and cycle == cycle_seen:  # the same cycle twice: not a stale read
                         raise CollectiveMismatch(self._cycle_report(call, cycle, statuses, t_call))
                     cycle_seen = cycle
-                    now_keys = store_progress(self.store)
+                    now_keys = arrivals.progress()
                     if keys is None:
                         keys = now_keys
                     elif now_keys != keys:
@@ -261,12 +249,14 @@ class Lockstep:
                         raise LockstepTimeout(f"{waited} in {call.describe()} for ranks {waited_for}, "
                                               "which neither arrived nor said why", waited_for)
                 # wake when the peer waited on arrives (or, once it differs, publishes its fingerprint)
-                key = plain[min(differ)] if differ else arrive[missing[0]]
-                try:
-                    self.store.wait([key], datetime.timedelta(seconds=max(0.001, min(SLICE_S, look - time.time()))))
-                    arrived = None if differ else missing[0]
-                except dist.DistStoreError:
-                    pass
+                timeout = min(SLICE_S, look - time.time())
+                if differ:
+                    try:
+                        self.store.wait([plain[min(differ)]], datetime.timedelta(seconds=max(0.001, timeout)))
+                    except dist.DistStoreError:
+                        pass
+                elif arrivals.wait(call, missing[0], timeout, ticket):
+                    arrived = missing[0]
         finally:
             if published is not None:
                 self._set_status({"state": "running"})
@@ -280,6 +270,10 @@ class Lockstep:
             sides[peer] = {"finished_after": status["counts"].get(call.group, 0)}
             raise CollectiveMismatch(self._report(call, sides, t_call))
         raise PeerStopped(self._stopped_report(call, peer, status))
+
+    def _status_of(self, rank: int) -> dict[str, Any] | None:
+        k = status_key(self.seq, rank)
+        return json.loads(self.store.get(k)) if self.store.check([k]) else None
 
     def _statuses(self) -> dict[int, dict[str, Any]]:
         out = {}

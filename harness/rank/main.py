@@ -103,8 +103,13 @@ def prepare(rank: int, world_size: int, store_host: str, store_port: int, option
     if options.get("lockstep", True):
         from shardcheck.harness.rank.lockstep import Lockstep
 
+        board = None
+        if options.get("board"):  # a world the controller started on this machine
+            from shardcheck.harness.rank.board import Board
+
+            board = Board(options["board"], world_size, rank)
         lockstep = Lockstep(store_port, rank, world_size, options["collective_timeout"], label=groups.label,
-                            host=store_host, member_groups=groups.member_groups)
+                            host=store_host, member_groups=groups.member_groups, board=board)
     return RankRunner(rank, lockstep, device)
 
 

@@ -1,0 +1,141 @@
+"""The two channels the lockstep speaks through, the store's keys (any world, torchrun's across
+machines) and the shared board (a world the controller started on its machine), give the same
+outcome for the same calls: agreement, a divergence, a late peer, a peer that finished or stopped."""
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from shardcheck.harness.rank import board
+from shardcheck.harness.rank.lockstep import CollectiveMismatch, Lockstep, PeerStopped
+from shardcheck.harness.rank.trace import Call
+
+
+def _call(shape: int, number: int = 0) -> Call:
+    return Call(op="all_reduce", group="g", ranks=[0, 1], number=number, shapes=[[shape]], dtype="float32",
+                reduce_op="SUM", root=None, phase="forward", site="x.py:1", stack=["x.py:1"])
+
+
+@pytest.fixture(params=["store", "board"])
+def pair(request, tmp_path):
+    if request.param == "board" and not board.supported():
+        pytest.skip("no shared board on this machine (it needs Linux futexes)")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    boards = [None, None]
+    if request.param == "board":
+        path = str(tmp_path / "board")
+        board.create(path, 2)
+        boards = [board.Board(path, 2, r) for r in (0, 1)]
+    ranks = [Lockstep(store.port, r, 2, timeout=5.0, member_groups=lambda: ["g"], board=boards[r]) for r in (0, 1)]
+    for r in ranks:
+        r.begin(1, "s")
+    yield ranks
+    del store
+
+
+def _both(steps):
+    """Run one step per rank at once; what each raised, or None."""
+    raised = [None, None]
+
+    def one(r):
+        try:
+            steps[r]()
+        except Exception as exc:  # noqa: BLE001
+            raised[r] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank is still waiting"
+    return raised
+
+
+def test_agreeing_calls_go_on(pair):
+    assert _both([lambda r=r: [r.check(_call(4, n)) for n in range(200)] for r in pair]) == [None, None]
+    assert pair[0].counts == pair[1].counts == {"g": 200}
+
+
+def test_a_late_peer_is_waited_for_and_agrees(pair):
+    def late():
+        time.sleep(0.3)  # past the first wait: the slow path waits on its arrival
+        pair[1].check(_call(4))
+
+    assert _both([lambda: pair[0].check(_call(4)), late]) == [None, None]
+
+
+def test_a_divergent_call_stops_both_naming_each_side(pair):
+    raised = _both([lambda: pair[0].check(_call(4)), lambda: pair[1].check(_call(8))])
+    assert all(isinstance(e, CollectiveMismatch) for e in raised), raised
+    for e in raised:
+        assert "float32[4]" in str(e) and "float32[8]" in str(e) and "differ in shapes" in str(e), str(e)
+
+
+def test_a_peer_that_finished_is_a_mismatch_at_once(pair):
+    def finish_late():
+        time.sleep(0.2)
+        pair[0].finish()
+
+    t0 = time.perf_counter()
+    raised = _both([finish_late, lambda: pair[1].check(_call(4))])
+    assert raised[0] is None and isinstance(raised[1], CollectiveMismatch), raised
+    assert "rank 0 finished the scenario after 0 calls in this group" in str(raised[1])
+    assert time.perf_counter() - t0 < 2.0  # woken by the mark, not by the 5 s timeout
+
+
+def test_a_peer_that_stopped_wakes_the_waiter_with_its_reason(pair):
+    def stop_late():
+        time.sleep(0.2)
+        pair[0].stop("raised ValueError: bad")
+
+    t0 = time.perf_counter()
+    raised = _both([stop_late, lambda: pair[1].check(_call(4))])
+    assert isinstance(raised[1], PeerStopped) and "raised ValueError: bad" in str(raised[1]), raised
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_the_board_reads_each_state_of_a_peer(tmp_path):
+    """A peer's word read against the call a rank is at, written out for a small case."""
+    if not board.supported():
+        pytest.skip("no shared board on this machine (it needs Linux futexes)")
+    path = str(tmp_path / "board")
+    board.create(path, 2)
+    me, peer = board.Board(path, 2, 0), board.Board(path, 2, 1)
+    me.begin(5)
+    peer.begin(4)
+    peer.post("g", 3, 77, [0])
+    assert me.read(1, "g", 3) is None  # the peer is still in the scenario before
+    peer.begin(5)
+    assert me.read(1, "g", 3) is None  # nothing said in this scenario yet
+    peer.post("g", 3, 77, [0])
+    assert (me.read(1, "g", 2), me.read(1, "g", 3), me.read(1, "g", 4)) == (board.AHEAD, 77, None)
+    assert me.read(1, "other", 3) is None
+    peer.post("g", 4, board.FINISHED, [0])
+    assert me.read(1, "g", 4) == board.FINISHED
+    assert me.calls() == 3
+    # the wake: a ticket taken before a peer's post does not sleep through it
+    ticket = me.ticket()
+    peer.post("g", 5, 77, [0])
+    t0 = time.perf_counter()
+    me.wait(ticket, 5.0)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_rank_calling_in_more_groups_than_the_board_holds_is_told_so(tmp_path):
+    if not board.supported():
+        pytest.skip("no shared board on this machine (it needs Linux futexes)")
+    path = str(tmp_path / "board")
+    board.create(path, 1)
+    b = board.Board(path, 1, 0)
+    b.begin(1)
+    for i in range(board.SLOTS):
+        b.post(f"g{i}", 0, 9, [])
+    with pytest.raises(RuntimeError, match=f"holds {board.SLOTS} groups a rank and scenario"):
+        b.post("one more", 0, 9, [])
+    b.begin(2)  # a new scenario starts empty
+    b.post("one more", 0, 9, [])
