@@ -158,3 +158,18 @@ def world2():
 
     with SpawnedWorld(2, timeout=30) as w:
         yield w
+
+
+# -- the suite's time budget (tests/budget.py) ---------------------------------------------------
+_phase_seconds: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report):
+    _phase_seconds.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    import budget
+
+    for line in budget.over_budget(budget.file_seconds(_phase_seconds), TESTS.parent):
+        terminalreporter.write_line(f"test budget: {line}", yellow=True)

@@ -1,7 +1,12 @@
 """The fault matrix: each way a run used to go wrong (a false green, a crashed controller, an
 orphaned rank, the wrong rank blamed, a malformed output blamed on shardcheck), provoked, with
 what the report must say. Faults that leave the world usable share the session's world; the
-others get a world of their own (0.1 s to start: ranks fork from the server)."""
+others get a world of their own (0.1 s to start: ranks fork from the server).
+
+Over 20 s: 41 faults, a dozen of which wait out a deadline on purpose (1-2 s timeouts, a hung
+rank asked for its stack) and three of which kill a controller while it starts: about half of
+its time is waiting, not work.
+"""
 
 import inspect
 import json

@@ -1,5 +1,9 @@
 """Invariance: the same sample's outputs keep their bits however it is laid out, packed, ordered
-or split; contracts turn differences into invariance_violation failures."""
+or split; contracts turn differences into invariance_violation failures.
+
+Over 20 s: the packing-dependent plant runs the whole smoke suite and every layout of the
+invariance bases.
+"""
 
 import dataclasses
 import json

@@ -1,6 +1,10 @@
 """The pytest plugin, used as a framework team would: the example test file run by plain pytest
 and by pytest-xdist (under torchrun, every rank running pytest and shardcheck joining its world:
-tests/test_scale.py, across two torchrun agents)."""
+tests/test_scale.py, across two torchrun agents).
+
+Over 20 s: seven pytest sessions in processes of their own, as a framework team runs them
+(one with two xdist workers, each starting its own world).
+"""
 
 import os
 import shutil

@@ -2,7 +2,11 @@
 
 What is about the verdicts and reports a run makes (a plant named where it is) runs in this
 process on the session's world, with the reporters ``shardcheck run`` uses; what is about the
-command and its own world (one start per run, restarts, --no-lockstep, --timeout) runs the CLI."""
+command and its own world (one start per run, restarts, --no-lockstep, --timeout) runs the CLI.
+
+Over 20 s: the smoke suite's 64 scenarios through the command line, and the hang and timeout
+cases, which wait out their deadlines on purpose.
+"""
 
 import json
 import time

@@ -1,6 +1,10 @@
 """Beyond four local ranks: an 8-rank real world on 2 cores (the ``large`` suite), and a world
 that spans two torchrun agents (two "machines" on loopback) for ``shardcheck run`` and
-``pytest -m multigpu``, a hang's report naming each side's node and local rank."""
+``pytest -m multigpu``, a hang's report naming each side's node and local rank.
+
+Over 20 s: an 8-rank world running the large suite, and two launches of two torchrun agents
+whose twelve processes each import torch afresh.
+"""
 
 import os
 import shutil

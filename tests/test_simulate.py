@@ -1,5 +1,9 @@
 """``shardcheck simulate``: the trace comparison (pure), every hang mutant caught on the fake
-world, builtin clean, the command's search with its replay on a real world, and bad input."""
+world, builtin clean, the command's search with its replay on a real world, and bad input.
+
+Over 20 s: every hang mutant simulated, the search replayed on a real world, and two
+simulations that wait out their deadlines on purpose (one on a CPU held busy).
+"""
 
 import json
 import os
