@@ -115,7 +115,7 @@ class FakeWorld:
                         if left > 0:
                             continue
                         starved = self._cpu_wait.starved(proc.pid, self.timeout)
-                        self.close()  # it never answered: end it, as a hung rank is ended
+                        self.close(politely=False)  # it never answered: end it, as a hung rank is ended
                         who = f"simulated rank {current}" if current is not None else "the simulated ranks"
                         if starved:
                             return self._everyone(world, f"{who} gave no result within {self.timeout:g}s; {starved}",
@@ -143,14 +143,16 @@ class FakeWorld:
         failure = Failure(kind, message, list(range(world)))
         return [RankResult(r, self._seq, [failure] if r == 0 else [], {}, 0.0, {}, [], False) for r in range(world)]
 
-    def close(self) -> None:
+    def close(self, politely: bool = True) -> None:
+        """End the simulation processes: asked to stop, killed after 2 s; or, not ``politely``
+        (one never answered: it will not read the request), killed at once."""
         for _, conn in self._children:
             try:
                 conn.send(wire.message(wire.STOP))
             except (OSError, ValueError):
                 pass
         for proc, conn in self._children:
-            proc.join(timeout=2.0)
+            proc.join(timeout=2.0 if politely else 0.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5.0)
