@@ -32,6 +32,9 @@ from shardcheck.harness.wire import TIMEOUT, Checks, Failure, RankResult
 
 
 
+STACK_WAIT_S = 0.3  # how long hung ranks are given to write their stacks
+
+
 class SpawnedWorld:
     def __init__(self, nproc: int, *, timeout: float = 60.0, start_timeout: float = 180.0,
                  lockstep: bool = True, backend: str = "gloo", fork_server: bool = True) -> None:
@@ -369,13 +372,29 @@ class SpawnedWorld:
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask hung ranks where they are (faulthandler on SIGUSR1), the innermost shardcheck or
         user frame first."""
+        def size(r: int) -> int:
+            try:
+                return os.path.getsize(self._traceback_file(r))
+            except OSError:
+                return 0
+
+        before, asked = {r: size(r) for r in ranks}, []
         for r in ranks:
             if self._procs[r].is_alive():
                 try:
                     os.kill(self._procs[r].pid, signal.SIGUSR1)
+                    asked.append(r)
                 except ProcessLookupError:
                     pass
-        time.sleep(0.3)
+        # each writes its stack from the signal handler: done when every file grew and stopped
+        # growing, or after STACK_WAIT_S (a rank that cannot run its handler says nothing)
+        deadline, last = time.perf_counter() + STACK_WAIT_S, None
+        while asked and time.perf_counter() < deadline:
+            time.sleep(0.01)
+            now = {r: size(r) for r in asked}
+            if now == last and all(now[r] > before[r] for r in asked):
+                break
+            last = now
         out = {}
         for r in ranks:
             try:
