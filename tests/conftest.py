@@ -70,6 +70,24 @@ def alive(pid: int) -> bool:
         return False
 
 
+@dataclass
+class SmokeRun:
+    proc: subprocess.CompletedProcess
+    json_report: Path
+    html_report: Path
+
+
+@pytest.fixture(scope="session")
+def smoke_cli(tmp_path_factory) -> SmokeRun:
+    """``shardcheck run --suite smoke`` through the command line, once a session (its checks in
+    tests/test_run.py, its HTML page opened in tests/test_html_browser.py): 64 scenarios."""
+    folder = tmp_path_factory.mktemp("smoke-cli")
+    json_report, html_report = folder / "r.json", folder / "r.html"
+    proc = run_cli("run", "--target", "builtin", "--suite", "smoke", "--json-report", str(json_report),
+                   "--html-report", str(html_report))
+    return SmokeRun(proc, json_report, html_report)
+
+
 def write_scenarios(path: Path, scenarios: list) -> Path:
     path.write_text(json.dumps([s.to_dict() for s in scenarios]))
     return path

@@ -24,11 +24,10 @@ def _small(layout: str, tp: int, cp: int, name: str) -> Scenario:
                     entropy_coef=0.1, seed=7)
 
 
-def test_smoke_suite_passes_with_one_world_start(tmp_path):
-    report = tmp_path / "r.json"
-    proc = run_cli("run", "--target", "builtin", "--suite", "smoke", "--json-report", str(report))
+def test_smoke_suite_passes_with_one_world_start(smoke_cli):
+    proc = smoke_cli.proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(report.read_text())
+    doc = json.loads(smoke_cli.json_report.read_text())
     names = [s.name for s in get_suite("smoke")]
     assert sorted(v["name"] for v in doc["scenarios"]) == sorted(names)
     for v in doc["scenarios"]:
