@@ -1,7 +1,10 @@
 """The HTML report in a real browser: headless Chromium (Debian's ``chromium`` package; ci/install.sh
 installs it from the machine's apt cache when it can, never downloading; without it these tests
 skip with that reason) opens the page and what a person sees in it is checked. The screenshots
-are kept (``SHARDCHECK_ARTIFACTS``, else the test's temporary folder)."""
+are kept (``SHARDCHECK_ARTIFACTS``, else the test's temporary folder).
+
+Over 20 s: run before tests/test_run.py (as CI runs them), it pays for the session's smoke run
+through the command line (64 scenarios, shared with test_run); Chromium starts six times."""
 
 import os
 import re
