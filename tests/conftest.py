@@ -88,6 +88,28 @@ def smoke_cli(tmp_path_factory) -> SmokeRun:
     return SmokeRun(proc, json_report, html_report)
 
 
+def at_once(steps: list[Callable[[], Any]], timeout: float = 30) -> list[BaseException | None]:
+    """Run each step in a thread of its own, all at once (ranks that wait for each other); what
+    each raised, or None. A step still running after ``timeout`` fails the test."""
+    import threading
+
+    raised: list[BaseException | None] = [None] * len(steps)
+
+    def one(i: int) -> None:
+        try:
+            steps[i]()
+        except Exception as exc:  # noqa: BLE001
+            raised[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(steps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a rank is still waiting"
+    return raised
+
+
 def write_scenarios(path: Path, scenarios: list) -> Path:
     path.write_text(json.dumps([s.to_dict() for s in scenarios]))
     return path

@@ -3,12 +3,12 @@ machines) and the shared board (a world the controller started on its machine), 
 outcome for the same calls: agreement, a divergence, a late peer, a peer that finished or stopped."""
 
 import datetime
-import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+from conftest import at_once
 from shardcheck.harness.rank import board
 from shardcheck.harness.rank.lockstep import CollectiveMismatch, Lockstep, PeerStopped
 from shardcheck.harness.rank.trace import Call
@@ -37,27 +37,8 @@ def pair(request, tmp_path):
     del store
 
 
-def _both(steps):
-    """Run one step per rank at once; what each raised, or None."""
-    raised = [None, None]
-
-    def one(r):
-        try:
-            steps[r]()
-        except Exception as exc:  # noqa: BLE001
-            raised[r] = exc
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank is still waiting"
-    return raised
-
-
 def test_agreeing_calls_go_on(pair):
-    assert _both([lambda r=r: [r.check(_call(4, n)) for n in range(200)] for r in pair]) == [None, None]
+    assert at_once([lambda r=r: [r.check(_call(4, n)) for n in range(200)] for r in pair]) == [None, None]
     assert pair[0].counts == pair[1].counts == {"g": 200}
 
 
@@ -66,11 +47,11 @@ def test_a_late_peer_is_waited_for_and_agrees(pair):
         time.sleep(0.3)  # past the first wait: the slow path waits on its arrival
         pair[1].check(_call(4))
 
-    assert _both([lambda: pair[0].check(_call(4)), late]) == [None, None]
+    assert at_once([lambda: pair[0].check(_call(4)), late]) == [None, None]
 
 
 def test_a_divergent_call_stops_both_naming_each_side(pair):
-    raised = _both([lambda: pair[0].check(_call(4)), lambda: pair[1].check(_call(8))])
+    raised = at_once([lambda: pair[0].check(_call(4)), lambda: pair[1].check(_call(8))])
     assert all(isinstance(e, CollectiveMismatch) for e in raised), raised
     for e in raised:
         assert "float32[4]" in str(e) and "float32[8]" in str(e) and "differ in shapes" in str(e), str(e)
@@ -82,7 +63,7 @@ def test_a_peer_that_finished_is_a_mismatch_at_once(pair):
         pair[0].finish()
 
     t0 = time.perf_counter()
-    raised = _both([finish_late, lambda: pair[1].check(_call(4))])
+    raised = at_once([finish_late, lambda: pair[1].check(_call(4))])
     assert raised[0] is None and isinstance(raised[1], CollectiveMismatch), raised
     assert "rank 0 finished the scenario after 0 calls in this group" in str(raised[1])
     assert time.perf_counter() - t0 < 2.0  # woken by the mark, not by the 5 s timeout
@@ -94,16 +75,21 @@ def test_a_peer_that_stopped_wakes_the_waiter_with_its_reason(pair):
         pair[0].stop("raised ValueError: bad")
 
     t0 = time.perf_counter()
-    raised = _both([stop_late, lambda: pair[1].check(_call(4))])
+    raised = at_once([stop_late, lambda: pair[1].check(_call(4))])
     assert isinstance(raised[1], PeerStopped) and "raised ValueError: bad" in str(raised[1]), raised
     assert time.perf_counter() - t0 < 2.0
 
 
-def test_the_board_reads_each_state_of_a_peer(tmp_path):
-    """A peer's word read against the call a rank is at, written out for a small case."""
+@pytest.fixture
+def board_path(tmp_path):
     if not board.supported():
         pytest.skip("no shared board on this machine (it needs Linux futexes)")
-    path = str(tmp_path / "board")
+    return str(tmp_path / "board")
+
+
+def test_the_board_reads_each_state_of_a_peer(board_path):
+    """A peer's word read against the call a rank is at, written out for a small case."""
+    path = board_path
     board.create(path, 2)
     me, peer = board.Board(path, 2, 0), board.Board(path, 2, 1)
     me.begin(5)
@@ -126,10 +112,8 @@ def test_the_board_reads_each_state_of_a_peer(tmp_path):
     assert time.perf_counter() - t0 < 1.0
 
 
-def test_a_rank_calling_in_more_groups_than_the_board_holds_is_told_so(tmp_path):
-    if not board.supported():
-        pytest.skip("no shared board on this machine (it needs Linux futexes)")
-    path = str(tmp_path / "board")
+def test_a_rank_calling_in_more_groups_than_the_board_holds_is_told_so(board_path):
+    path = board_path
     board.create(path, 1)
     b = board.Board(path, 1, 0)
     b.begin(1)

@@ -2,11 +2,11 @@
 the controller's store."""
 
 import datetime
-import threading
 
 import pytest
 import torch.distributed as dist
 
+from conftest import at_once
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
 from shardcheck.harness.rank.arrivals import agree_key
@@ -21,24 +21,6 @@ def _call(shape: int) -> Call:
                 reduce_op="SUM", root=None, phase="forward", site="x.py:1", stack=["x.py:1"])
 
 
-def _both(steps):
-    """Run one step per rank at once (each waits for the other); what each raised, or None."""
-    raised = [None, None]
-
-    def one(r):
-        try:
-            steps[r]()
-        except Exception as exc:  # noqa: BLE001
-            raised[r] = exc
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return raised
-
-
 def test_a_rank_deletes_the_keys_it_set_when_it_begins_the_next_scenario():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))
@@ -46,7 +28,7 @@ def test_a_rank_deletes_the_keys_it_set_when_it_begins_the_next_scenario():
     empty = store.num_keys()
     for r in ranks:
         r.begin(1, "agree")
-    assert _both([lambda r=r: (r.check(_call(4)), r.finish()) for r in ranks]) == [None, None]
+    assert at_once([lambda r=r: (r.check(_call(4)), r.finish()) for r in ranks]) == [None, None]
     digest = ranks[0]._digests[_call(4).fingerprint_key()]
     ranks[0].begin(2, "differ")  # rank 1 is still on scenario 1: its keys stay
     assert not store.check([agree_key(1, "g", 0, digest, 0)]) and not store.check([status_key(1, 0)])
@@ -54,7 +36,7 @@ def test_a_rank_deletes_the_keys_it_set_when_it_begins_the_next_scenario():
     ranks[1].begin(2, "differ")
     assert store.num_keys() == empty
     # the slow path's keys too: whole fingerprints, waiting and stopped statuses
-    raised = _both([lambda: ranks[0].check(_call(4)), lambda: ranks[1].check(_call(8))])
+    raised = at_once([lambda: ranks[0].check(_call(4)), lambda: ranks[1].check(_call(8))])
     assert all(isinstance(e, CollectiveMismatch) for e in raised), raised
     for r in ranks:
         r.stop("stopped on a collective mismatch")
