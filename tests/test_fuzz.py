@@ -1,5 +1,9 @@
 """Fuzzing: the strategies (pure, no world), and ``shardcheck fuzz`` finding, shrinking and
-writing a length-dependent planted bug whose scenario file then replays to the same failure."""
+writing a length-dependent planted bug whose scenario file then replays to the same failure.
+
+Over 20 s: on a loaded machine (about 18 s on a quiet one): 29 tests, among them hypothesis
+searches that shrink on a real world and the command's find-shrink-write-replay in a process of
+its own."""
 
 import json
 import re
