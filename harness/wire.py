@@ -65,14 +65,15 @@ def process_alive(pid: int) -> bool:
             return True
 
 
-def store_progress(store: Any) -> int | None:
-    """How many keys a c10d store holds: a count that moves is ranks making progress (statuses,
-    and every call lockstep checks over the store; a world with a shared board counts its calls
-    there too). None where the store cannot say: a deadline then runs unrenewed."""
+def progress(store: Any, board: Any = None) -> tuple[int | None, int]:
+    """What moves while ranks make progress, for deadlines that follow it: how many keys the c10d
+    store holds (statuses, and every call lockstep checks over the store; None where the store
+    cannot say) and how many calls were announced on the lockstep's shared board, if any."""
     try:
-        return store.num_keys()
+        keys = store.num_keys()
     except Exception:  # noqa: BLE001  (a store without the count, or gone)
-        return None
+        keys = None
+    return keys, board.calls() if board is not None else 0
 
 
 def target_settings() -> dict[str, str]:

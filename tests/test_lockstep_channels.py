@@ -28,7 +28,7 @@ def pair(request, tmp_path):
     boards = [None, None]
     if request.param == "board":
         path = str(tmp_path / "board")
-        board.create(path, 2)
+        board.Board.create(path, 2)
         boards = [board.Board(path, 2, r) for r in (0, 1)]
     ranks = [Lockstep(store.port, r, 2, timeout=5.0, member_groups=lambda: ["g"], board=boards[r]) for r in (0, 1)]
     for r in ranks:
@@ -90,7 +90,7 @@ def board_path(tmp_path):
 def test_the_board_reads_each_state_of_a_peer(board_path):
     """A peer's word read against the call a rank is at, written out for a small case."""
     path = board_path
-    board.create(path, 2)
+    board.Board.create(path, 2)
     me, peer = board.Board(path, 2, 0), board.Board(path, 2, 1)
     me.begin(5)
     peer.begin(4)
@@ -114,7 +114,7 @@ def test_the_board_reads_each_state_of_a_peer(board_path):
 
 def test_a_rank_calling_in_more_groups_than_the_board_holds_is_told_so(board_path):
     path = board_path
-    board.create(path, 1)
+    board.Board.create(path, 1)
     b = board.Board(path, 1, 0)
     b.begin(1)
     for i in range(board.SLOTS):

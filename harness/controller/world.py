@@ -90,9 +90,7 @@ class SpawnedWorld:
         env = _rank_environment()
         self._board = None
         if self.lockstep and board.supported():  # the ranks' lockstep then speaks through it
-            path = os.path.join(self._dir.name, "board")
-            board.create(path, self.nproc)
-            self._board = board.Board(path, self.nproc)
+            self._board = board.Board.create(os.path.join(self._dir.name, "board"), self.nproc)
         ctx = _start_context(self.backend, env, self.fork_server)
         atexit.register(self.close)
         for rank in range(self.nproc):
@@ -103,7 +101,7 @@ class SpawnedWorld:
                 "traceback_file": self._traceback_file(rank),
                 "output_file": self._output_file(rank),
                 "lockstep": self.lockstep,
-                "board": os.path.join(self._dir.name, "board") if self._board is not None else None,
+                "board": self._board.path if self._board is not None else None,
                 "backend": self.backend,
                 "environment": env,
                 "controller_pid": os.getpid(),
@@ -180,11 +178,6 @@ class SpawnedWorld:
         self._healthy = False
         atexit.unregister(self.close)
 
-    def _progress(self) -> tuple[int | None, int]:
-        """What moves while ranks make progress: the store's keys (statuses, the lockstep's keys
-        where it speaks over the store) and the calls announced on the board."""
-        return wire.store_progress(self._store), self._board.calls() if self._board is not None else 0
-
     def restart(self) -> None:
         self.close()
         self.start()
@@ -215,13 +208,14 @@ class SpawnedWorld:
         results: dict[int, RankResult] = {}
         died: list[int] = []
         limit = self.timeout + min(10.0, max(2.0, self.timeout))  # ranks time out first, by themselves
-        # The deadline follows progress: a result, or a key set in the store (a call announced
-        # in lockstep, a status), starts it again. Ranks still working through calls are not hung.
+        # The deadline follows progress: a result, a key set in the store (a status, a call
+        # announced over the store) or a call announced on the board starts it again. Ranks still
+        # working through calls are not hung.
         t_start = time.perf_counter()
-        deadline, keys = t_start + limit, self._progress()
+        deadline, keys = t_start + limit, wire.progress(self._store, self._board)
         while len(results) < self.nproc:
             pending = [r for r in range(self.nproc) if r not in results]
-            now_keys = self._progress()
+            now_keys = wire.progress(self._store, self._board)
             if now_keys != keys:
                 keys, deadline = now_keys, time.perf_counter() + limit
             left = deadline - time.perf_counter()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardcheck.harness.rank import board as board_mod
 from shardcheck.harness.rank.trace import Call
-from shardcheck.harness.wire import store_progress
+from shardcheck.harness.wire import progress
 
 
 def agree_key(seq: int, group: str, number: int, digest: str, rank: int) -> str:
@@ -49,7 +49,7 @@ class StoreArrivals:
     def begin(self, seq: int) -> None:
         self.seq = seq
 
-    def announce(self, call: Call, digest: str) -> None:
+    def announce(self, call: Call, digest: str, peers: list[int]) -> None:
         keys = [agree_key(self.seq, call.group, call.number, digest, self.rank),
                 arrive_key(self.seq, call.group, call.number, self.rank)]
         self.remember(keys)
@@ -95,7 +95,7 @@ class StoreArrivals:
             self.store.multi_set(keys, [json.dumps(why)] * len(keys))
 
     def progress(self) -> Any:
-        return store_progress(self.store)
+        return progress(self.store)
 
 
 class BoardArrivals:
@@ -111,8 +111,8 @@ class BoardArrivals:
     def begin(self, seq: int) -> None:
         self.board.begin(seq)
 
-    def announce(self, call: Call, digest: str) -> None:
-        self.board.post(call.group, call.number, board_mod.code_of(digest), [r for r in call.ranks if r != self.board.rank])
+    def announce(self, call: Call, digest: str, peers: list[int]) -> None:
+        self.board.post(call.group, call.number, board_mod.code_of(digest), peers)
 
     def agreed(self, call: Call, digest: str, peers: list[int], within: float) -> bool:
         board, code = self.board, board_mod.code_of(digest)
@@ -151,14 +151,14 @@ class BoardArrivals:
 
     def mark(self, calls: list[tuple[str, int]], why: dict[str, Any]) -> None:
         code = board_mod.FINISHED if why.get("state") == "finished" else board_mod.STOPPED
-        everyone = [r for r in range(self.board.world_size) if r != self.board.rank]
         for group, number in calls:
             self.board.post(group, number, code, [])
-        for r in everyone:  # which group each peer shares is not known here: wake them all
-            self.board.wake(r)
+        for r in range(self.board.world_size):  # which group each peer shares is not known here: wake them all
+            if r != self.board.rank:
+                self.board.wake(r)
 
     def progress(self) -> Any:
-        return (store_progress(self.store), self.board.calls())
+        return progress(self.store, self.board)
 
 
 _AGREED = "agreed"  # the peer is past this call: it made it, every member agreeing

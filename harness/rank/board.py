@@ -55,12 +55,6 @@ def supported() -> bool:
     return sys.platform == "linux" and sys.byteorder == "little" and _SYS_FUTEX is not None
 
 
-def create(path: str, world_size: int) -> None:
-    """An empty board for ``world_size`` ranks at ``path``."""
-    with open(path, "wb") as f:
-        f.truncate(world_size * _REGION * 8)
-
-
 def code_of(digest: str) -> int:
     """A fingerprint digest (hex) as the 36-bit code a state holds, clear of the marks."""
     code = int(digest, 16) & _CODE_MASK
@@ -80,7 +74,15 @@ def _key(group: str) -> int:
 class Board:
     """One process's view of the board: a rank's (``rank`` given) or the controller's."""
 
+    @classmethod
+    def create(cls, path: str, world_size: int) -> Board:
+        """An empty board for ``world_size`` ranks at ``path``, as the controller sees it."""
+        with open(path, "wb") as f:
+            f.truncate(world_size * _REGION * 8)
+        return cls(path, world_size)
+
     def __init__(self, path: str, world_size: int, rank: int | None = None) -> None:
+        self.path = path
         fd = os.open(path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, world_size * _REGION * 8)

@@ -165,7 +165,7 @@ class Lockstep:
             digest = self._digests[fp_key] = hashlib.blake2b(repr(fp_key).encode(), digest_size=8).hexdigest()
         # Fast path: announce my fingerprint's digest, then wait for every peer to have announced
         # the same one. Equal digests: the call goes on.
-        self.arrivals.announce(call, digest)
+        self.arrivals.announce(call, digest, peers)
         if not self.arrivals.agreed(call, digest, peers, FIRST_WAIT_S):
             self._slow_path(call, digest, peers, t_call)
         self.matched[call.group].append(call)
@@ -276,12 +276,7 @@ class Lockstep:
         return json.loads(self.store.get(k)) if self.store.check([k]) else None
 
     def _statuses(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for r in range(self.world_size):
-            k = status_key(self.seq, r)
-            if r != self.rank and self.store.check([k]):
-                out[r] = json.loads(self.store.get(k))
-        return out
+        return {r: st for r in range(self.world_size) if r != self.rank and (st := self._status_of(r)) is not None}
 
     # -- reports -----------------------------------------------------------------------------
     def _where(self, call: Call) -> str:
