@@ -34,6 +34,10 @@ def test_every_mutant_is_caught_with_its_kind_and_phase(world, name):
     if kind == "collective_mismatch":
         for f in found:  # reported within a second of the divergent call
             assert f.details["reported_after_s"] < 1.0, f.details
+        # and no rank went on into the backend to wait out its timeout there
+        stuck = [(v.scenario.name, f.message) for v in result.verdicts for f in v.failures
+                 if f.kind in ("rank_error", "timeout")]
+        assert not stuck and max(v.seconds for v in result.verdicts) < 5, stuck
         # the mismatched call was never issued: the world goes on without a restart
         assert len(world.startup_seconds) == starts
 

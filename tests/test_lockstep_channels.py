@@ -14,25 +14,38 @@ from shardcheck.harness.rank.lockstep import CollectiveMismatch, Lockstep, PeerS
 from shardcheck.harness.rank.trace import Call
 
 
-def _call(shape: int, number: int = 0) -> Call:
-    return Call(op="all_reduce", group="g", ranks=[0, 1], number=number, shapes=[[shape]], dtype="float32",
+def _call(shape: int, number: int = 0, ranks: tuple[int, ...] = (0, 1)) -> Call:
+    return Call(op="all_reduce", group="g", ranks=list(ranks), number=number, shapes=[[shape]], dtype="float32",
                 reduce_op="SUM", root=None, phase="forward", site="x.py:1", stack=["x.py:1"])
+
+
+def _world(channel: str, size: int, tmp_path):
+    if channel == "board" and not board.supported():
+        pytest.skip("no shared board on this machine (it needs Linux futexes)")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    boards = [None] * size
+    if channel == "board":
+        path = str(tmp_path / "board")
+        board.Board.create(path, size)
+        boards = [board.Board(path, size, r) for r in range(size)]
+    ranks = [Lockstep(store.port, r, size, timeout=5.0, member_groups=lambda: ["g"], board=boards[r])
+             for r in range(size)]
+    for r in ranks:
+        r.begin(1, "s")
+    return store, ranks
 
 
 @pytest.fixture(params=["store", "board"])
 def pair(request, tmp_path):
-    if request.param == "board" and not board.supported():
-        pytest.skip("no shared board on this machine (it needs Linux futexes)")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=10))
-    boards = [None, None]
-    if request.param == "board":
-        path = str(tmp_path / "board")
-        board.Board.create(path, 2)
-        boards = [board.Board(path, 2, r) for r in (0, 1)]
-    ranks = [Lockstep(store.port, r, 2, timeout=5.0, member_groups=lambda: ["g"], board=boards[r]) for r in (0, 1)]
-    for r in ranks:
-        r.begin(1, "s")
+    store, ranks = _world(request.param, 2, tmp_path)
+    yield ranks
+    del store
+
+
+@pytest.fixture(params=["store", "board"])
+def trio(request, tmp_path):
+    store, ranks = _world(request.param, 3, tmp_path)
     yield ranks
     del store
 
@@ -78,6 +91,22 @@ def test_a_peer_that_stopped_wakes_the_waiter_with_its_reason(pair):
     raised = at_once([stop_late, lambda: pair[1].check(_call(4))])
     assert isinstance(raised[1], PeerStopped) and "raised ValueError: bad" in str(raised[1]), raised
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_a_late_peer_agreeing_with_one_side_of_a_divergence_does_not_go_on(trio):
+    """Ranks 0 and 1 diverge and stop; rank 2, late, agrees with rank 0. Had it gone on, it
+    would wait in the backend for a call nobody else issues (a hang the lockstep exists to stop)."""
+    def diverge(r: int, shape: int) -> None:
+        try:
+            trio[r].check(_call(shape, ranks=(0, 1, 2)))
+        except CollectiveMismatch:
+            trio[r].stop("stopped on a collective mismatch")  # as the trace's claim does
+            raise
+
+    raised = at_once([lambda: diverge(0, 4), lambda: diverge(1, 8)])
+    assert all(isinstance(e, CollectiveMismatch) for e in raised), raised
+    with pytest.raises((CollectiveMismatch, PeerStopped)):
+        trio[2].check(_call(4, ranks=(0, 1, 2)))
 
 
 @pytest.fixture

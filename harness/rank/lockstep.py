@@ -152,10 +152,14 @@ class Lockstep:
 
     # -- the check ---------------------------------------------------------------------------
     def check(self, call: Call) -> None:
-        self.counts[call.group] = call.number + 1
         peers = [r for r in call.ranks if r != self.rank]
         if not peers or call.op in POINT_TO_POINT:  # point-to-point is traced, not lockstepped
+            self.counts[call.group] = call.number + 1
             return
+        # Until its peers agree, this call is the next one this rank has not made: a stop mark
+        # goes here. Marked one further, a board would show the peers this rank past the call,
+        # and a late peer agreeing with it would issue a call nobody else does.
+        self.counts[call.group] = call.number
         t_call = time.time()
         fp_key = call.fingerprint_key()
         digest = self._digests.get(fp_key)
@@ -168,6 +172,7 @@ class Lockstep:
         self.arrivals.announce(call, digest, peers)
         if not self.arrivals.agreed(call, digest, peers, FIRST_WAIT_S):
             self._slow_path(call, digest, peers, t_call)
+        self.counts[call.group] = call.number + 1
         self.matched[call.group].append(call)
 
     def _slow_path(self, call: Call, digest: str, peers: list[int], t_call: float) -> None:
