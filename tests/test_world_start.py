@@ -78,3 +78,20 @@ def test_a_rank_imports_parallel_state_and_not_the_rest_of_megatron_core_until_a
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["True True False False",
                                        "True True megatron.core.tensor_parallel.cross_entropy True"], out.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_every_gloo_group_of_a_rank_shares_one_event_loop_unless_asked_not_to(monkeypatch):
+    """torch gives each gloo group a device whose loop thread wakes every 10 ms; megatron builds
+    about 17 groups a layout. The harness's ranks share one device (harness/rank/gloo_device.py)."""
+    from shardcheck.harness.rank.gloo_device import ENV, loop_threads
+
+    monkeypatch.delenv(ENV, raising=False)
+    with SpawnedWorld(2, timeout=30) as world:
+        assert _probe(world)  # a TP2 layout: megatron's groups built on both ranks
+        assert [loop_threads(p.pid) for p in world._procs] == [1, 1]
+        monkeypatch.setenv(ENV, "per-group")
+        world.restart()
+        _probe(world)
+        per_group = [loop_threads(p.pid) for p in world._procs]
+        assert min(per_group) > 10, per_group  # torch's own way: one loop a group

@@ -54,6 +54,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         import torch.distributed as dist
 
         from shardcheck.harness.backend import process_group_backend, rank_device
+        from shardcheck.harness.rank import gloo_device
 
         torch.set_num_threads(1)
         backend = options.get("backend", "gloo")
@@ -61,6 +62,8 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         timeout = datetime.timedelta(seconds=options["collective_timeout"])
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=options["start_timeout"]))
+        if process_group_backend(backend) == "gloo" and gloo_device.wanted(os.environ):
+            gloo_device.share()  # one event-loop thread a rank, not one a group
         dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world_size, timeout=timeout)
         runner = prepare(rank, world_size, "127.0.0.1", store_port, options, device)
     except BaseException as exc:  # noqa: BLE001  (reported to the controller, then exit)
