@@ -5,8 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# pip compiles each package's bytecode on one core (16 of torch's 22 s here): it is done after,
+# on every core, by compileall (which, like pip, passes over files that do not compile).
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e '.[test]'
+.venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 # Headless chromium for the HTML report's browser test, from this machine's apt cache only (never
 # downloaded); the test skips with the reason where it cannot be had.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
