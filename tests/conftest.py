@@ -77,15 +77,22 @@ class SmokeRun:
     html_report: Path
 
 
-@pytest.fixture(scope="session")
-def smoke_cli(tmp_path_factory) -> SmokeRun:
-    """``shardcheck run --suite smoke`` through the command line, once a session (its checks in
-    tests/test_run.py, its HTML page opened in tests/test_html_browser.py): 64 scenarios."""
-    folder = tmp_path_factory.mktemp("smoke-cli")
+def _smoke_cli(folder: Path) -> SmokeRun:
     json_report, html_report = folder / "r.json", folder / "r.html"
     proc = run_cli("run", "--target", "builtin", "--suite", "smoke", "--json-report", str(json_report),
-                   "--html-report", str(html_report))
+                   "--html-report", str(html_report), timeout=600)
     return SmokeRun(proc, json_report, html_report)
+
+
+# runs any module may name in its tests' background marks (tests/background.py)
+BACKGROUND = {"smoke-cli": (_smoke_cli, 600)}
+
+
+@pytest.fixture
+def smoke_cli(background) -> SmokeRun:
+    """``shardcheck run --suite smoke`` through the command line, once a session (its checks in
+    tests/test_run.py, its HTML page opened in tests/test_html_browser.py): 64 scenarios."""
+    return background("smoke-cli")
 
 
 def at_once(steps: list[Callable[[], Any]], timeout: float = 30) -> list[BaseException | None]:
@@ -198,6 +205,61 @@ def world2():
 
     with SpawnedWorld(2, timeout=30) as w:
         yield w
+
+
+# -- runs in the background (tests/background.py) --------------------------------------------------
+_background = None
+
+
+def pytest_configure(config):
+    import tempfile
+
+    from background import Background
+
+    global _background
+    # under pytest-xdist each worker would start every run: there each is run when asked
+    _background = Background(enabled="PYTEST_XDIST_WORKER" not in os.environ,
+                             root=Path(tempfile.mkdtemp(prefix="shardcheck-tests-background-")))
+
+
+def pytest_collection_finish(session):
+    """Queue the runs of the tests selected, in their order, and start."""
+    for item in session.items:
+        for mark in item.iter_markers("background"):
+            for name in mark.args:
+                work, timeout = getattr(item.module, "BACKGROUND", {}).get(name) or BACKGROUND[name]
+                _background.add(name, work, timeout)
+    _background.start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    calm = item.get_closest_marker("calm") is not None
+    if calm:
+        _background.pause()
+    try:
+        yield
+    finally:
+        if calm:
+            _background.resume()
+
+
+def pytest_unconfigure(config):
+    if _background is not None:
+        _background.close()
+
+
+@pytest.fixture
+def background(request) -> Callable[[str], Any]:
+    """``background(name)``: what the run ``name`` returned (tests/background.py); a run the test
+    did not mark is run when asked."""
+    def get(name: str) -> Any:
+        if name not in _background.runs:
+            work, timeout = getattr(request.module, "BACKGROUND", {}).get(name) or BACKGROUND[name]
+            _background.add(name, work, timeout)
+        return _background.get(name)
+
+    return get
 
 
 # -- the suite's time budget (tests/budget.py) ---------------------------------------------------

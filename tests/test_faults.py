@@ -450,6 +450,7 @@ def test_the_rank_that_did_not_come_heads_the_verdict_when_replicas_finished():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()),
                     reason="no schedstat: how long a rank waited for a CPU cannot be known here")
+@pytest.mark.calm
 def test_a_deadline_missed_while_waiting_for_a_cpu_is_a_timeout_not_the_targets(tmp_path):
     """Rank 1 runs at SCHED_IDLE on a CPU a busy process holds: it waits for the CPU, its peer
     for it. The verdict is timeout (exit status 3), not the target's rank_error; without the busy

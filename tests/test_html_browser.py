@@ -71,6 +71,7 @@ def test_a_hang_and_a_wrong_value_as_a_person_sees_them(world, tmp_path):
         assert shot.stat().st_size > 10_000
 
 
+@pytest.mark.background("smoke-cli")
 def test_the_smoke_report_renders_whole_and_filters(smoke_cli):
     """The page `shardcheck run --html-report` wrote for the smoke suite."""
     page = smoke_cli.html_report

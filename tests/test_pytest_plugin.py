@@ -2,8 +2,9 @@
 and by pytest-xdist (under torchrun, every rank running pytest and shardcheck joining its world:
 tests/test_scale.py, across two torchrun agents).
 
-Over 20 s: seven pytest sessions in processes of their own, as a framework team runs them
-(one with two xdist workers, each starting its own world).
+Over 20 s: eight pytest sessions in processes of their own, as a framework team runs them
+(one with two xdist workers, each starting its own world); they run in the background while
+other tests go on (tests/background.py).
 """
 
 import os
@@ -44,20 +45,47 @@ def _cases(junit: Path) -> dict[str, str | None]:
     return out
 
 
-def test_the_marker_is_registered(tmp_path):
-    (tmp_path / "test_plain.py").write_text("def test_cpu_only():\n    pass\n")
-    shutil.copy(EXAMPLE, tmp_path / EXAMPLE.name)
-    proc = _pytest(tmp_path, "-m", "not multigpu", "-q", "-W", "error::pytest.PytestUnknownMarkWarning")
+def _marker(folder: Path):
+    (folder / "test_plain.py").write_text("def test_cpu_only():\n    pass\n")
+    shutil.copy(EXAMPLE, folder / EXAMPLE.name)
+    return (_pytest(folder, "-m", "not multigpu", "-q", "-W", "error::pytest.PytestUnknownMarkWarning"),
+            _pytest(folder, "--markers"))
+
+
+def _session(*args: str, timeout: float = 600):
+    """A pytest session on the example in a project of its own: (the process, its folder)."""
+    return lambda folder: (_pytest(_project(folder), *args, timeout=timeout), folder)
+
+
+BAD_TARGETS = [
+    (["--shardcheck-target", "no_such_module:thing"], "cannot import 'no_such_module'"),
+    (["--shardcheck-target-opt", "chunk=4"], "target 'builtin' takes no --target-opt"),
+    (["--shardcheck-html-report", "/no/such/dir/p.html"], "cannot write the HTML report '/no/such/dir/p.html'"),
+]
+# every session runs in the background while other tests go on (tests/background.py)
+BACKGROUND = {
+    "plugin-marker": (_marker, 1200),
+    "plugin-builtin": (_session("-m", "multigpu", "-q", "--junitxml", "j.xml"), 600),
+    "plugin-mutant": (_session("-m", "multigpu", "-q", "--junitxml", "j.xml", "--shardcheck-target",
+                               "builtin:grad_placeholder", "--shardcheck-html-report", "page.html"), 600),
+    "plugin-xdist": (_session("-n", "2", "-q"), 600),
+    **{f"plugin-bad-{i}": (_session("-m", "multigpu", "-q", *args, "--shardcheck-nproc", "1", timeout=120), 120)
+       for i, (args, _) in enumerate(BAD_TARGETS)},
+}
+
+
+@pytest.mark.background("plugin-marker")
+def test_the_marker_is_registered(background):
+    proc, markers = background("plugin-marker")
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "1 passed" in proc.stdout and f"{len(SCENARIOS)} deselected" in proc.stdout
-    markers = _pytest(tmp_path, "--markers")
     assert "@pytest.mark.multigpu" in markers.stdout
 
 
 @pytest.mark.world
-def test_one_testcase_per_scenario_passing_against_builtin(tmp_path):
-    project = _project(tmp_path)
-    proc = _pytest(project, "-m", "multigpu", "-q", "--junitxml", "j.xml")
+@pytest.mark.background("plugin-builtin")
+def test_one_testcase_per_scenario_passing_against_builtin(background):
+    proc, project = background("plugin-builtin")
     assert proc.returncode == 0, proc.stdout[-3000:]
     cases = _cases(project / "j.xml")
     assert sorted(cases) == sorted(f"test_regressions[{n}]" for n in SCENARIOS)
@@ -65,10 +93,9 @@ def test_one_testcase_per_scenario_passing_against_builtin(tmp_path):
 
 
 @pytest.mark.world
-def test_a_mutant_fails_per_scenario_with_the_kind_in_the_message(tmp_path):
-    project = _project(tmp_path)
-    proc = _pytest(project, "-m", "multigpu", "-q", "--junitxml", "j.xml",
-                   "--shardcheck-target", "builtin:grad_placeholder", "--shardcheck-html-report", "page.html")
+@pytest.mark.background("plugin-mutant")
+def test_a_mutant_fails_per_scenario_with_the_kind_in_the_message(background):
+    proc, project = background("plugin-mutant")
     assert proc.returncode == 1, proc.stdout[-3000:]
     # one page for the session: every scenario it checked, the failing one with its lanes
     page = (project / "page.html").read_text()
@@ -85,21 +112,18 @@ def test_a_mutant_fails_per_scenario_with_the_kind_in_the_message(tmp_path):
 
 @pytest.mark.world
 @pytest.mark.launch
-def test_with_xdist_workers_each_own_a_world(tmp_path):
-    project = _project(tmp_path)
-    proc = _pytest(project, "-n", "2", "-q")
+@pytest.mark.background("plugin-xdist")
+def test_with_xdist_workers_each_own_a_world(background):
+    proc, _ = background("plugin-xdist")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert f"{len(SCENARIOS)} passed" in proc.stdout
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--shardcheck-target", "no_such_module:thing"], "cannot import 'no_such_module'"),
-    (["--shardcheck-target-opt", "chunk=4"], "target 'builtin' takes no --target-opt"),
-    (["--shardcheck-html-report", "/no/such/dir/p.html"], "cannot write the HTML report '/no/such/dir/p.html'"),
-])
-def test_a_bad_target_stops_the_session_with_one_line(tmp_path, args, fragment):
-    project = _project(tmp_path)
-    proc = _pytest(project, "-m", "multigpu", "-q", *args, "--shardcheck-nproc", "1", timeout=120)
+@pytest.mark.parametrize("case", range(len(BAD_TARGETS)), ids=[f for _, f in BAD_TARGETS])
+@pytest.mark.background(*(f"plugin-bad-{i}" for i in range(len(BAD_TARGETS))))
+def test_a_bad_target_stops_the_session_with_one_line(background, case):
+    proc, _ = background(f"plugin-bad-{case}")
+    fragment = BAD_TARGETS[case][1]
     assert proc.returncode == 2, proc.stdout[-2000:]
     assert fragment in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr

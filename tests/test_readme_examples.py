@@ -14,8 +14,8 @@ only what any version gives is checked (exit 1, the minimal scenario's layout an
 rest is skipped, saying so.
 
 Time: both examples need a world of their own (start-up is most of it: 2 and 4 ranks), so they
-run side by side, about 12 s on an idle 2-core machine (and 20-30 s on a busy one); none needs a
-framework checkout.
+run side by side, about 12 s on an idle 2-core machine (and 20-30 s on a busy one), in the
+background while other tests go on (tests/background.py); none needs a framework checkout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import hypothesis
@@ -57,22 +56,33 @@ def normalise(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-@pytest.fixture(scope="module")
-def runs():
-    """Every example run once, side by side: {command: (exit status, stdout)}."""
-    with tempfile.TemporaryDirectory(prefix="shardcheck-readme-") as tmp:
-        procs = {}
-        for i, (_, command, _) in enumerate(examples()):
-            folder = Path(tmp) / str(i)
-            folder.mkdir()
-            argv = [sys.executable, "-m", "shardcheck", *shlex.split(command)[1:]]
-            procs[command] = subprocess.Popen(argv, cwd=folder, stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True)
-        out = {}
+def _run_examples(folder: Path) -> dict[str, tuple[int, str, str]]:
+    """Every example run once, side by side, each in an empty folder: {command: (exit status, stdout, stderr)}."""
+    procs = {}
+    for i, (_, command, _) in enumerate(examples()):
+        (folder / str(i)).mkdir()
+        argv = [sys.executable, "-m", "shardcheck", *shlex.split(command)[1:]]
+        procs[command] = subprocess.Popen(argv, cwd=folder / str(i), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True)
+    out = {}
+    try:
         for command, proc in procs.items():
             stdout, stderr = proc.communicate(timeout=300)
             out[command] = (proc.returncode, stdout, stderr)
-        yield out
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    return out
+
+
+# run in the background while other tests go on (tests/background.py)
+BACKGROUND = {"readme-examples": (_run_examples, 300)}
+
+
+@pytest.fixture
+def runs(background):
+    return background("readme-examples")
 
 
 def test_the_pages_quote_examples():
@@ -81,6 +91,7 @@ def test_the_pages_quote_examples():
     assert any(c.startswith("shardcheck fuzz ") for c in commands), commands
 
 
+@pytest.mark.background("readme-examples")
 @pytest.mark.parametrize("page,command,quoted", examples(),
                          ids=[f"{page}:{command.split()[1]}" for page, command, _ in examples()])
 def test_example_output_is_what_the_page_quotes(runs, page, command, quoted):

@@ -24,6 +24,7 @@ def _small(layout: str, tp: int, cp: int, name: str) -> Scenario:
                     entropy_coef=0.1, seed=7)
 
 
+@pytest.mark.background("smoke-cli")
 def test_smoke_suite_passes_with_one_world_start(smoke_cli):
     proc = smoke_cli.proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -91,21 +92,33 @@ def test_without_lockstep_a_raising_rank_is_bounded_by_the_timeout_and_the_world
     assert doc["lockstep"] is False
 
 
-def test_a_hang_is_a_report_at_once_with_lockstep_and_a_timeout_without(tmp_path, world2):
+HANG_TIMEOUT = 6
+HANG_SCENARIO = ["--suite", "regressions", "--scenario", "ag-empty-local-slices"]
+
+
+def _hang_without_lockstep(folder):
+    """The CLI on a world of its own, without lockstep: it waits out its timeout (in the background)."""
+    report = folder / "r.json"
+    proc = run_cli("run", "--target", "builtin:skip_empty_rank", *HANG_SCENARIO, "--timeout", str(HANG_TIMEOUT),
+                   "--json-report", str(report), "--no-lockstep", timeout=240)
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+BACKGROUND = {"hang-without-lockstep": (_hang_without_lockstep, 240)}
+
+
+@pytest.mark.background("hang-without-lockstep")
+def test_a_hang_is_a_report_at_once_with_lockstep_and_a_timeout_without(tmp_path, world2, background):
     """The lockstep check is what turns the hang into a report: the same mutant blocks until the
     collective timeout without it. Without lockstep, the CLI on a world of its own (its timeout);
     with it, the session's two-rank world (the size the CLI starts for this scenario; lockstep
     on, reporting at once whatever its timeout)."""
-    timeout = 6
     seconds = {}
-    scenario = ["--suite", "regressions", "--scenario", "ag-empty-local-slices"]
     for mode in ("--no-lockstep", None):
         if mode:
-            report = tmp_path / f"r{mode}.json"
-            proc = run_cli("run", "--target", "builtin:skip_empty_rank", *scenario, "--timeout", str(timeout),
-                           "--json-report", str(report), mode, timeout=240)
-            assert proc.returncode == 1, proc.stdout + proc.stderr
-            [v] = json.loads(report.read_text())["scenarios"]
+            proc, doc = background("hang-without-lockstep")
+            assert proc.returncode == 1 and doc is not None, proc.stdout + proc.stderr
+            [v] = doc["scenarios"]
         else:
             [sc] = [s for s in get_suite("regressions") if s.name == "ag-empty-local-slices"]
             assert world2.lockstep and world2.nproc == sc.ranks
@@ -121,5 +134,5 @@ def test_a_hang_is_a_report_at_once_with_lockstep_and_a_timeout_without(tmp_path
             [f] = [f for f in v["failures"] if f["kind"] == "collective_mismatch"]
             assert f["details"]["reported_after_s"] < 1.0
             assert "finished the scenario after 0 calls" in f["message"]
-    assert seconds["--no-lockstep"] >= timeout, seconds
+    assert seconds["--no-lockstep"] >= HANG_TIMEOUT, seconds
     assert seconds[None] < 1.0, seconds

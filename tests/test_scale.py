@@ -3,7 +3,8 @@ that spans two torchrun agents (two "machines" on loopback) for ``shardcheck run
 ``pytest -m multigpu``, a hang's report naming each side's node and local rank.
 
 Over 20 s: an 8-rank world running the large suite, and two launches of two torchrun agents
-whose twelve processes each import torch afresh.
+whose twelve processes each import torch afresh (in the background while other tests go on:
+tests/background.py).
 """
 
 import os
@@ -62,10 +63,24 @@ def _two_nodes(args: list[str], cwd: Path, timeout: float = 240) -> list[subproc
     return out
 
 
+def _run_across_two_agents(folder: Path) -> list[subprocess.CompletedProcess]:
+    return _two_nodes(["-m", "shardcheck", "run", "--target", "builtin:skip_empty_rank", "--suite", "regressions",
+                       "--scenario", "ag-empty-local-slices", "--scenario", "ag-entropy-grad"], folder)
+
+
+def _pytest_across_two_agents(folder: Path) -> list[subprocess.CompletedProcess]:
+    shutil.copy(EXAMPLE, folder / EXAMPLE.name)
+    return _two_nodes(["-m", "pytest", "-p", "no:cacheprovider", "-m", "multigpu", "-q", "-p", "no:warnings"], folder)
+
+
+# both launches run in the background while other tests go on (tests/background.py)
+BACKGROUND = {"run-two-agents": (_run_across_two_agents, 2 * 240), "pytest-two-agents": (_pytest_across_two_agents, 2 * 240)}
+
+
 @pytest.mark.launch
-def test_a_world_across_two_torchrun_agents_runs_and_names_each_side(tmp_path):
-    nodes = _two_nodes(["-m", "shardcheck", "run", "--target", "builtin:skip_empty_rank", "--suite", "regressions",
-                        "--scenario", "ag-empty-local-slices", "--scenario", "ag-entropy-grad"], tmp_path)
+@pytest.mark.background("run-two-agents")
+def test_a_world_across_two_torchrun_agents_runs_and_names_each_side(background):
+    nodes = background("run-two-agents")
     assert [n.returncode for n in nodes] == [1, 1], nodes[0].stdout[-3000:] + nodes[1].stdout[-3000:]
     report = next(n.stdout for n in nodes if "FAILED ag-empty-local-slices" in n.stdout)  # rank 0's, once
     assert sum("FAILED ag-empty-local-slices" in n.stdout for n in nodes) == 1
@@ -76,12 +91,11 @@ def test_a_world_across_two_torchrun_agents_runs_and_names_each_side(tmp_path):
 
 @pytest.mark.world
 @pytest.mark.launch
-def test_pytest_multigpu_across_two_torchrun_agents(tmp_path):
+@pytest.mark.background("pytest-two-agents")
+def test_pytest_multigpu_across_two_torchrun_agents(background):
     """Every rank runs pytest and shardcheck joins the launcher's world (the plugin's torchrun
     path), here spanning two agents."""
-    shutil.copy(EXAMPLE, tmp_path / EXAMPLE.name)
-    nodes = _two_nodes(["-m", "pytest", "-p", "no:cacheprovider", "-m", "multigpu", "-q", "-p", "no:warnings"],
-                       tmp_path)
+    nodes = background("pytest-two-agents")
     scenarios = len(get_suite("regressions"))
     assert [n.returncode for n in nodes] == [0, 0], nodes[0].stdout[-3000:] + nodes[1].stdout[-3000:]
     assert sum(n.stdout.count(f"{scenarios} passed") for n in nodes) == 4  # four pytest processes, every case

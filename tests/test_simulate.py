@@ -196,6 +196,7 @@ def test_a_simulation_still_going_rank_after_rank_is_not_hung():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()),
                     reason="no schedstat: how long a process waited for a CPU cannot be known here")
+@pytest.mark.calm
 def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target():
     """The simulation process runs at SCHED_IDLE on a CPU a busy process holds: the deadline it
     misses is the machine's (timeout, exit status 3), not 'a target that never returns'."""
