@@ -17,9 +17,10 @@ target (always kept), its entropy stays over the whole vocabulary:
     d logp / d z = (onehot(y) - q) / t        (the entropy's term is unchanged)
 Rows without a keep set are unprocessed. An empty K leaves the target alone: logp = 0.
 
-How: the log-probs are torch.log_softmax's own bits (its kernel on the float64 s), the entropy
--sum p log p with p = exp(log p). The gradient takes one exp an element: with d = s - max s
-(so s - sum p s = d - sum p d) and e = exp(d), S = sum e, p = e / S,
+How: one exp an element, the values as the gradient. With d = s - max s, e = exp(d), S = sum e
+and L = log S: logp(y) = d_y - L, and the entropy -sum p log p = L - sum e d / S (p = e / S).
+(torch.log_softmax would give the log-probs within a few float64 ulps, at a second exp an
+element for p.) Since s - sum p s = d - sum p d,
     d loss / d z = e * (alpha d - alpha sum_v p_v d_v - w_lp) / (S t) + w_lp onehot(y) / t,
 alpha = entropy_coef * w_ent, computed only over the columns asked for (-w_lp q / t apart where a
 row has a keep set).
@@ -168,22 +169,24 @@ def logprob_entropy(
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
         z = source.rows(start, stop)
-        s, logp = buffers.take(z.shape[0], z.shape[-1], device or z.device)
-        _scaled(z, temperature, s)
-        # torch.log_softmax's own kernel, into the buffer: the log-probs are its bits
-        torch._log_softmax(s, -1, False, out=logp)
-        y = targets[start:stop].to(s.device).unsqueeze(1)
-        if logps.device != s.device:  # device None: wherever the logits are
-            logps, entropies = logps.to(s.device), entropies.to(s.device)
-        mask = _keep_mask(keep, start, stop, targets, s.shape[-1], s.device)
+        d, e = buffers.take(z.shape[0], z.shape[-1], device or z.device)
+        _scaled(z, temperature, d)
+        d.sub_(d.amax(dim=1, keepdim=True))  # d = s - max s: every e in (0, 1], S >= 1
+        torch.exp(d, out=e)
+        big_s = e.sum(dim=1)
+        log_s = torch.log(big_s)
+        y = targets[start:stop].to(d.device).unsqueeze(1)
+        if logps.device != d.device:  # device None: wherever the logits are
+            logps, entropies = logps.to(d.device), entropies.to(d.device)
+        mask = _keep_mask(keep, start, stop, targets, d.shape[-1], d.device)
         if mask is None:
-            logps[start:stop] = logp.gather(1, y).squeeze(1)
+            logps[start:stop] = d.gather(1, y).squeeze(1) - log_s
         else:  # over each row's keep set where it has one
-            logps[start:stop] = torch.log_softmax(s.masked_fill(~mask, float("-inf")), dim=-1).gather(1, y).squeeze(1)
+            logps[start:stop] = torch.log_softmax(d.masked_fill(~mask, float("-inf")), dim=-1).gather(1, y).squeeze(1)
         del mask
-        # -sum p log p, p written over s (done with); 0 * log 0 = 0: exp underflow gives p = 0
-        # exactly, log p finite. A dot product a row, no [chunk, V] temporary.
-        entropies[start:stop] = -_row_dots(torch.exp(logp, out=s), logp)
+        # exp underflow gives e = 0 exactly with d finite: 0 * log 0 = 0. A dot product a row,
+        # no [chunk, V] temporary.
+        entropies[start:stop] = log_s - _row_dots(e, d) / big_s
     return logps, entropies
 
 
