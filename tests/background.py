@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 WAIT_MARGIN_S = 60.0  # beyond the longest subprocess timeout of a run: a run never waits longer
+KILLED_WAIT_S = 10.0  # for a run whose processes were killed to see them gone
 
 
 @dataclass
@@ -118,13 +119,16 @@ class Background:
             self._paused = False
             self._lock.notify_all()
 
-    def close(self) -> None:
-        """No further run starts; the one going on ends within its own timeouts; the folders go."""
+    def close(self, kill: Callable[[], None] | None = None) -> None:
+        """No further run starts; the folders go. A run still going (a session stopped early,
+        Ctrl-C) has its processes ended by ``kill`` when given, else ends within its timeouts."""
         with self._lock:
             self._stopping = True
             self._pending.clear()
             running = self._running
             self._lock.notify_all()
         if running is not None:
-            running.done.wait(running.timeout + WAIT_MARGIN_S)
+            if kill is not None:
+                kill()
+            running.done.wait(KILLED_WAIT_S if kill is not None else running.timeout + WAIT_MARGIN_S)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -244,9 +244,21 @@ def pytest_runtest_protocol(item, nextitem):
             _background.resume()
 
 
+def _kill_descendants() -> None:
+    """Every process below this one: at unconfigure the session's worlds are closed, so what is
+    left belongs to a background run stopped early."""
+    import signal
+
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def pytest_unconfigure(config):
     if _background is not None:
-        _background.close()
+        _background.close(kill=_kill_descendants)
 
 
 @pytest.fixture

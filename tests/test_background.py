@@ -83,3 +83,25 @@ def test_disabled_every_run_is_run_when_asked(tmp_path):
     assert log == []
     assert bg.get("a") == "A" and log[0][2] == threading.current_thread().name
     bg.close()
+
+
+def test_closing_with_a_run_going_on_kills_it_and_waits_briefly(tmp_path):
+    import subprocess
+    import sys
+
+    procs: list = []
+
+    def long_run(folder):
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return procs[0].wait(timeout=120)
+
+    bg = Background(enabled=True, root=tmp_path / "bg")
+    bg.root.mkdir()
+    bg.add("long", long_run, 120)
+    bg.start()
+    while not procs:
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    bg.close(kill=lambda: procs[0].kill())
+    assert time.perf_counter() - t0 < 5 and procs[0].poll() is not None
+    assert bg.runs["long"].done.is_set()
