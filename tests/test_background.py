@@ -21,10 +21,15 @@ def _recorder(log: list, name: str, seconds: float = 0.0, fail: bool = False):
     return work
 
 
+def _queue(tmp_path, enabled: bool = True) -> Background:
+    bg = Background(enabled=enabled, root=tmp_path / "bg")
+    bg.root.mkdir()
+    return bg
+
+
 def test_runs_go_one_at_a_time_in_order_and_a_waiting_one_is_run_by_the_asker(tmp_path):
     log: list = []
-    bg = Background(enabled=True, root=tmp_path / "bg")
-    bg.root.mkdir()
+    bg = _queue(tmp_path)
     bg.add("a", _recorder(log, "a", 0.2), 5)
     bg.add("b", _recorder(log, "b"), 5)
     bg.add("c", _recorder(log, "c"), 5)
@@ -43,8 +48,7 @@ def test_runs_go_one_at_a_time_in_order_and_a_waiting_one_is_run_by_the_asker(tm
 
 def test_a_calm_test_waits_for_the_run_going_on_and_none_starts_until_it_ends(tmp_path):
     log: list = []
-    bg = Background(enabled=True, root=tmp_path / "bg")
-    bg.root.mkdir()
+    bg = _queue(tmp_path)
     bg.add("a", _recorder(log, "a", 0.3), 5)
     bg.add("b", _recorder(log, "b"), 5)
     bg.start()
@@ -60,8 +64,7 @@ def test_a_calm_test_waits_for_the_run_going_on_and_none_starts_until_it_ends(tm
 
 def test_an_error_reaches_the_test_and_close_starts_nothing_more(tmp_path):
     log: list = []
-    bg = Background(enabled=True, root=tmp_path / "bg")
-    bg.root.mkdir()
+    bg = _queue(tmp_path)
     bg.add("bad", _recorder(log, "bad", fail=True), 5)
     bg.add("later", _recorder(log, "later", 0.2), 5)
     bg.add("never", _recorder(log, "never"), 5)
@@ -75,8 +78,7 @@ def test_an_error_reaches_the_test_and_close_starts_nothing_more(tmp_path):
 
 def test_disabled_every_run_is_run_when_asked(tmp_path):
     log: list = []
-    bg = Background(enabled=False, root=tmp_path / "bg")
-    bg.root.mkdir()
+    bg = _queue(tmp_path, enabled=False)
     bg.add("a", _recorder(log, "a"), 5)
     bg.start()
     time.sleep(0.05)
@@ -95,8 +97,7 @@ def test_closing_with_a_run_going_on_kills_it_and_waits_briefly(tmp_path):
         procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
         return procs[0].wait(timeout=120)
 
-    bg = Background(enabled=True, root=tmp_path / "bg")
-    bg.root.mkdir()
+    bg = _queue(tmp_path)
     bg.add("long", long_run, 120)
     bg.start()
     while not procs:
