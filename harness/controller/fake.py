@@ -25,13 +25,17 @@ BACKEND = "fake"
 NOTE = "simulated: collectives checked for symmetry on torch's fake process group; values are not checked"
 
 
-PARALLEL_FROM = 32  # ranks: below this a layout runs in one process (splitting costs more than it saves)
+# Ranks a simulation process gets at least: a layout of 4 ranks or more is split between the
+# processes. Small layouts as benchmarks/simulate_speed.py draws them, at 08741f3, in one process
+# against two: world 8 1,209 against 1,811 a minute, world 4 1,372 against 1,739 (the split began
+# at 32 ranks before).
+RANKS_A_PROCESS = 2
 
 
 class FakeWorld:
     """Simulated worlds of any ``tp * cp`` dividing ``nproc`` (each scenario runs on exactly its
     ``tp * cp`` ranks), in child processes started once and reused: one per usable core (at
-    most ``workers``), a large layout's ranks split between them."""
+    most ``workers``), a layout's ranks split between them (RANKS_A_PROCESS)."""
 
     lockstep = True  # the trace comparison stands in for it
     backend = BACKEND
@@ -96,7 +100,7 @@ class FakeWorld:
         self.ensure_ready()
         self._seq += 1
         world = int(scenario["tp"]) * int(scenario.get("cp", 1))
-        used = self._children[:min(len(self._children), max(1, world // PARALLEL_FROM) if world >= PARALLEL_FROM else 1)]
+        used = self._children[:max(1, min(len(self._children), world // RANKS_A_PROCESS))]
         share = -(-world // len(used))
         results, labels = [], {}
         try:
