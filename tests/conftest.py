@@ -223,7 +223,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """Queue the runs of the tests selected, in their order, and start."""
+    """Queue the runs of the tests selected, in their order, and start (not to only list them)."""
+    if session.config.option.collectonly:
+        return
     for item in session.items:
         for mark in item.iter_markers("background"):
             for name in mark.args:
