@@ -108,6 +108,17 @@ def _scaled(z: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Ten
     return out
 
 
+def _shifted_exp(z: torch.Tensor, temperature: float, buffers: _Buffers,
+                 device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One exp an element, for the values and the gradient alike: d = s - max s and e = exp(d)
+    (in the chunk's two work buffers; every e in (0, 1]), and S = sum e [rows, 1] (>= 1)."""
+    d, e = buffers.take(z.shape[0], z.shape[-1], device or z.device)
+    _scaled(z, temperature, d)
+    d.sub_(d.amax(dim=-1, keepdim=True))
+    torch.exp(d, out=e)
+    return d, e, e.sum(dim=-1, keepdim=True)
+
+
 Keep = Mapping[int, Sequence[int]]  # row -> the token ids its sampler kept (rows absent: all)
 
 
@@ -169,11 +180,8 @@ def logprob_entropy(
     for start in range(0, source.num_rows, chunk_rows):
         stop = min(start + chunk_rows, source.num_rows)
         z = source.rows(start, stop)
-        d, e = buffers.take(z.shape[0], z.shape[-1], device or z.device)
-        _scaled(z, temperature, d)
-        d.sub_(d.amax(dim=1, keepdim=True))  # d = s - max s: every e in (0, 1], S >= 1
-        torch.exp(d, out=e)
-        big_s = e.sum(dim=1)
+        d, e, total = _shifted_exp(z, temperature, buffers, device)
+        big_s = total.squeeze(1)
         log_s = torch.log(big_s)
         y = targets[start:stop].to(d.device).unsqueeze(1)
         if logps.device != d.device:  # device None: wherever the logits are
@@ -229,12 +237,7 @@ def _grad_chunks(
         stop = min(start + chunk_rows, source.num_rows)
         z = source.rows(start, stop)
         vocab = z.shape[-1]
-        d, e = buffers.take(z.shape[0], vocab, device or z.device)
-        # one exp per element: d = s - max s (so s - sum p s = d - sum p d), e = exp(d) = p * S
-        _scaled(z, temperature, d)
-        d.sub_(d.amax(dim=-1, keepdim=True))
-        torch.exp(d, out=e)
-        total = e.sum(dim=-1, keepdim=True)  # S
+        d, e, total = _shifted_exp(z, temperature, buffers, device)  # s - sum p s = d - sum p d
         scale = total * temperature  # p / t = e / scale
         w_lp = w_logprob[start:stop].to(device=d.device, dtype=torch.float64).unsqueeze(1)
         mask = _keep_mask(keep, start, stop, targets, vocab, d.device)

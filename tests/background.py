@@ -35,7 +35,6 @@ class Run:
     work: Callable[[Path], Any]
     timeout: float
     folder: Path
-    started: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: BaseException | None = None
@@ -82,9 +81,7 @@ class Background:
                     self._lock.wait()
                 if self._stopping or not self._pending:
                     return
-                run = self._pending.pop(0)
-                run.started = True
-                self._running = run
+                run = self._running = self._pending.pop(0)
             run.execute()
             with self._lock:
                 self._running = None
@@ -94,10 +91,9 @@ class Background:
         """What run ``name`` returned (raising what it raised), waiting for it if it is going on."""
         run = self.runs[name]
         with self._lock:
-            mine = not run.started
+            mine = run in self._pending  # not begun: this thread runs it
             if mine:
                 self._pending.remove(run)
-                run.started = True
         if mine:
             run.execute()
         elif not run.done.wait(run.timeout + WAIT_MARGIN_S):

@@ -229,9 +229,14 @@ def pytest_collection_finish(session):
     for item in session.items:
         for mark in item.iter_markers("background"):
             for name in mark.args:
-                work, timeout = getattr(item.module, "BACKGROUND", {}).get(name) or BACKGROUND[name]
-                _background.add(name, work, timeout)
+                _queue(item.module, name)
     _background.start()
+
+
+def _queue(module: Any, name: str) -> None:
+    """Run ``name`` as ``module``'s BACKGROUND (or this file's) lists it, queued once."""
+    work, timeout = getattr(module, "BACKGROUND", {}).get(name) or BACKGROUND[name]
+    _background.add(name, work, timeout)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -268,9 +273,7 @@ def background(request) -> Callable[[str], Any]:
     """``background(name)``: what the run ``name`` returned (tests/background.py); a run the test
     did not mark is run when asked."""
     def get(name: str) -> Any:
-        if name not in _background.runs:
-            work, timeout = getattr(request.module, "BACKGROUND", {}).get(name) or BACKGROUND[name]
-            _background.add(name, work, timeout)
+        _queue(request.module, name)
         return _background.get(name)
 
     return get

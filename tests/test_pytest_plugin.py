@@ -46,8 +46,7 @@ def _cases(junit: Path) -> dict[str, str | None]:
 
 
 def _marker(folder: Path):
-    (folder / "test_plain.py").write_text("def test_cpu_only():\n    pass\n")
-    shutil.copy(EXAMPLE, folder / EXAMPLE.name)
+    (_project(folder) / "test_plain.py").write_text("def test_cpu_only():\n    pass\n")
     return (_pytest(folder, "-m", "not multigpu", "-q", "-W", "error::pytest.PytestUnknownMarkWarning"),
             _pytest(folder, "--markers"))
 

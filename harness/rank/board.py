@@ -24,6 +24,7 @@ wakes at its timeout (every wait has one) and reads again.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import mmap
 import os
@@ -55,6 +56,7 @@ def supported() -> bool:
     return sys.platform == "linux" and sys.byteorder == "little" and _SYS_FUTEX is not None
 
 
+@functools.lru_cache(maxsize=4096)  # a call site's digest repeats thousands of times a run
 def code_of(digest: str) -> int:
     """A fingerprint digest (hex) as the 36-bit code a state holds, clear of the marks."""
     code = int(digest, 16) & _CODE_MASK
