@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -117,11 +118,19 @@ class BoardArrivals:
     def agreed(self, call: Call, digest: str, peers: list[int], within: float) -> bool:
         board, code = self.board, board_mod.code_of(digest)
         deadline = time.perf_counter() + within
+        first = True
         while True:
             ticket = board.ticket()
             said = [board.read(p, call.group, call.number) for p in peers]
             if all(s == code or s == board_mod.AHEAD for s in said):
+                if first and code in said:
+                    # Peers got here first and are asleep, just woken by this rank's post. The
+                    # call completes only once they too have issued it: where they wait for a CPU
+                    # (more ranks than cores), handing them this one lets them send their part
+                    # before this rank even starts its own. Nothing else runnable here: a no-op.
+                    os.sched_yield()
                 return True
+            first = False
             if any(s is not None for s in said if s != code and s != board_mod.AHEAD):
                 return False  # a peer differs or will not come: the slow path says which
             left = deadline - time.perf_counter()
