@@ -1,4 +1,4 @@
-"""``shardcheck`` command line: run, invariance, fuzz, bisect, suites, targets.
+"""``shardcheck`` command line: run, invariance, fuzz, bisect, simulate, repro, report, suites, targets.
 
 Exit status: 0 every scenario passed (or was skipped), 1 some scenario failed, 2 bad input or
 configuration (one line on stderr naming the problem), 3 no scenario failed but some timed out
@@ -116,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-replay", action="store_true",
                    help="do not replay the minimal failing scenario on a real world, even when it fits")
     _check_switches(m)
+    x = sub.add_parser("repro", help="write one failure as a standalone script (torch and the code under test, "
+                                     "no shardcheck) its maintainers can run")
+    x.add_argument("--report", metavar="JSON", help="a JSON report (run --json-report) holding the failure")
+    x.add_argument("--target", default=None, help="the target, as run takes it (without --report)")
+    _target_options(x)
+    x.add_argument("--suite", default=None, help="the suite holding the scenario (default: smoke)")
+    x.add_argument("--scenario-file", metavar="FILE", help="JSON file holding the scenario")
+    x.add_argument("--scenario", required=True, metavar="NAME", help="the failing scenario")
+    x.add_argument("--out", default=None, metavar="FILE", help="where the script goes (default: repro-NAME.py)")
     h = sub.add_parser("report", help="render a saved JSON report as the HTML page --html-report writes")
     h.add_argument("json", metavar="JSON", help="a JSON report (shardcheck run --json-report)")
     h.add_argument("--html", required=True, metavar="FILE", help="where the page is written")
@@ -285,6 +294,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return _simulate(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "repro":
+            return _repro(args)
         if args.command == "suites":
             return _suites()
         if args.command == "targets":
@@ -558,6 +569,26 @@ def _simulate(args: argparse.Namespace) -> int:
     _use_target_config(args)
     scenarios = _select(args) if (args.suite or args.scenario_file) else None
     return simulate.main(args, scenarios, _target_args(args))
+
+
+def _repro(args: argparse.Namespace) -> int:
+    from shardcheck.harness.controller import repro
+    from shardcheck.targets import resolve
+
+    if args.report:
+        if args.target or args.suite or args.scenario_file:
+            raise BadInput("--report names the target and scenario; give no --target, --suite or --scenario-file")
+        spec, scenario, failure = repro.from_report(args.report, args.scenario)
+    else:
+        if not args.target:
+            raise BadInput("give --report JSON, or --target with the scenario's --suite or --scenario-file")
+        args.scenario = [args.scenario]
+        spec, (scenario,), failure = args.target, _select(args), None
+    _use_target_config(args)
+    out = args.out or f"repro-{''.join(c if c.isalnum() or c in '-_' else '_' for c in scenario.name)}.py"
+    repro.write(out, repro.script_text(spec, resolve(spec), scenario, failure, os.path.basename(out)))
+    print(f"wrote {out}: python {out}  (exit 1: found, 0: not found)")
+    return EXIT_OK
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -1,0 +1,163 @@
+"""`shardcheck repro`: one failure as a standalone script its code's maintainers can run.
+
+The script (body: ``repro_script.py``) starts a world of the scenario's size with multiprocessing
+and gloo, generates the scenario's inputs from its seed as shardcheck does, lays each rank's rows
+out as the failing run did (written into the script as data), calls the code under test the way
+its target does (the target's ``repro_call``, source text), and checks in plain code what can
+fail: each rank's collectives against its group's, a crash, inputs changed in place, values and
+gradients against a float64 computation. It prints one paragraph and exits 1 (found) or 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.harness.controller import repro_script
+from shardcheck.harness.rank.compare import TOLERANCES
+from shardcheck.scenarios.layout import rank_layout
+from shardcheck.scenarios.scenario import Scenario, data_id
+from shardcheck.targets.base import data_path, loss_form
+
+MAX_LINES = 300  # the issue's promise: a reader takes it in at one sitting
+_STUB = '''def call_code_under_test(logits, rank):  # written above by shardcheck repro
+    raise NotImplementedError
+'''
+_CASE_LINE = "CASE: dict = {}  # written above by shardcheck repro\n"
+
+
+def from_report(path: str, name: str) -> tuple[str, Scenario, dict[str, Any]]:
+    """The target spec, the scenario and its first failure, from a JSON report (run --json-report)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"--report {path}: cannot read a JSON report: {exc}") from None
+    entries = [e for e in doc.get("scenarios", []) if isinstance(e, dict) and e.get("name") == name]
+    if not entries:
+        raise BadInput(f"--report {path} has no scenario {name!r}")
+    failures = entries[0].get("failures") or []
+    if not failures:
+        raise BadInput(f"scenario {name!r} did not fail in {path} ({entries[0].get('verdict')}): nothing to reproduce")
+    return doc.get("target_spec", ""), Scenario.from_dict(entries[0]["scenario"]), failures[0]
+
+
+def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, Any] | None,
+                name: str = "repro.py") -> str:
+    """The script for ``scenario`` on ``target`` (named by ``spec``), expecting ``failure``."""
+    call = target.repro_call() if hasattr(target, "repro_call") else None
+    if not call:
+        raise BadInput(f"target {spec!r} cannot say how it calls its code (it has no repro_call)")
+    sc = scenario
+    if sc.processed or sc.sampling:
+        raise BadInput(f"scenario {sc.name!r} renormalises over kept tokens (top-k/top-p, replayed keep sets): "
+                       "repro does not write those yet")
+    if data_path(target) is not None or loss_form(target) != "weighted":
+        raise BadInput(f"target {spec!r} lays out its own rows or computes its own loss: repro does not write those yet")
+    src = _source_tree()
+    head, _, variant = spec.partition(":")
+    case = {
+        "target": spec,
+        "code": {"src": src, "variant": variant or None},
+        "scenario": {
+            "name": sc.name, "seed": sc.seed, "vocab": sc.vocab, "dtype": sc.dtype, "layout": sc.layout,
+            "tp": sc.tp, "cp": sc.cp, "temperature": float(sc.temperature), "entropy_coef": float(sc.entropy_coef),
+            "with_entropy": sc.with_entropy, "chunk_size": sc.log_probs_chunk_size,
+            "totals": [s.total for s in sc.samples], "prompts": [s.prompt for s in sc.samples],
+            "data_ids": [data_id(sc, i) for i in range(len(sc.samples))],
+        },
+        "ranks": [_rank(sc, r) for r in range(sc.tp * sc.cp)],
+        "tolerances": {d: {k: [t.atol, t.rtol] for k, t in tols.items()} for d, tols in TOLERANCES.items()},
+    }
+    body = Path(repro_script.__file__).read_text()
+    body = body[body.index("import argparse"):]  # its own header comment is the writer's business
+    text = (_header(spec, sc, failure, src, name) + body.replace(_CASE_LINE, _case_text(case))
+            .replace(_STUB, call.strip("\n") + "\n"))
+    lines = text.count("\n")
+    if lines > MAX_LINES:  # a design limit, not the user's input: say so plainly
+        raise BadInput(f"the script for {sc.name!r} would be {lines} lines, over {MAX_LINES}")
+    return text
+
+
+def write(path: str, text: str) -> None:
+    """Write the script at ``path``; a file already there is the user's and is left alone."""
+    try:
+        with open(path, "x") as f:
+            f.write(text)
+    except FileExistsError:
+        raise BadInput(f"--out {path} exists; give another path or remove it") from None
+    except OSError as exc:
+        raise BadInput(f"--out {path}: {exc.strerror or exc}") from None
+
+
+def _rank(sc: Scenario, rank: int) -> dict[str, Any]:
+    """What global rank ``rank`` holds: megatron's order puts tp innermost (rank = cp_rank * tp + tp_rank)."""
+    lay = rank_layout(sc, rank % sc.tp, rank // sc.tp)
+    return {"tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank, "pieces": [[p.stream, p.start, p.stop] for p in lay.pieces],
+            "shape": list(lay.shape), "columns": list(lay.columns), "share": [list(s) for s in lay.share]}
+
+
+def _case_text(case: dict[str, Any]) -> str:
+    """CASE as Python source: one line a key, one a rank."""
+    lines = ["CASE = {"]
+    for key, value in case.items():
+        if key == "ranks":
+            lines += ['    "ranks": ['] + [f"        {json.dumps(r)}," for r in value] + ["    ],"]
+        else:
+            lines.append(f"    {json.dumps(key)}: {_py(json.dumps(value))},")
+    return "\n".join(lines) + "\n}\n"
+
+
+def _py(text: str) -> str:
+    return text.replace("true", "True").replace("false", "False").replace("null", "None")
+
+
+def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, name: str) -> str:
+    if failure:
+        where = f" in the {failure['phase']}" if failure.get("phase") else ""
+        expected = f"{failure['kind']}{where}: {' '.join(str(failure.get('message', '')).split())[:300]}"
+    else:
+        expected = "nothing (no failure was given): the script says what it finds"
+    commit = _commit(src)
+    return "\n".join([
+        '"""shardcheck repro: ' + f"{spec} on scenario {sc.name} ({sc.layout}, tp={sc.tp}, cp={sc.cp}, {sc.dtype})",
+        "Reproduces one failure with torch alone: a world of tp * cp processes (gloo), the scenario's",
+        "inputs from its seed, each rank's rows as the failing run laid them out, the code under test",
+        "called as shardcheck's target calls it, and plain checks against a float64 computation.",
+        "",
+        f"Code under test: {src}" + (f" at commit {commit}" if commit else ""),
+        f"Expected (shardcheck found): {expected}",
+        f"Written {datetime.date.today().isoformat()} by `shardcheck repro`.",
+        "",
+        f"Run:  python {name} [--src CHECKOUT] [--variant NAME|none]",
+        "Exit: 1 when it finds the failure (it prints what), 0 when it does not.",
+        '"""',
+        "",
+    ]) + "\n"
+
+
+def _source_tree() -> str:
+    """shardcheck's source tree (its targets/ folder beside shardcheck/), which the builtin's
+    call loads: an installed wheel has none."""
+    root = Path(repro_script.__file__).resolve().parents[2]
+    if not (root / "targets" / "builtin.py").is_file():
+        raise BadInput("repro needs shardcheck's source tree (an editable install, pip install -e); "
+                       f"{root} has no targets/ folder")
+    return str(root)
+
+
+def _commit(src: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", src, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                             timeout=10, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    if commit and subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip():
+        commit += " with uncommitted changes"
+    return commit or None

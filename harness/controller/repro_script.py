@@ -1,0 +1,245 @@
+# The body of every script `shardcheck repro` writes: it needs torch (and what the code under
+# test imports), nothing of shardcheck's harness. The writer puts a header, CASE and the target's
+# call_code_under_test above it; this file is kept valid Python so that it is linted and tested.
+import argparse
+import datetime
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+CASE: dict = {}  # written above by shardcheck repro
+TIMEOUT_S = 15.0  # a rank not done by then is hung: its calls are compared with its peers'
+SHOWN = 5  # differences listed per kind
+
+
+def call_code_under_test(logits, rank):  # written above by shardcheck repro
+    raise NotImplementedError
+
+
+# -- the inputs, generated from the seed exactly as shardcheck generated them -------------------
+def generator(*key):
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def tokens(sc, i):
+    g = generator(sc["seed"], "tokens", sc["data_ids"][i])
+    return torch.randint(0, sc["vocab"], (sc["totals"][i],), generator=g, dtype=torch.int64)
+
+
+def logit_rows(sc, stream, start, stop):
+    """Rows [start, stop) of a sample (or, stream == len(samples), of the all-gather tail
+    padding), in the scenario's dtype: fixed blocks of 64 rows, each from its own generator."""
+    out = []
+    for block in range(start // 64, (stop - 1) // 64 + 1):
+        tail = stream == len(sc["totals"])
+        g = generator(sc["seed"], "logits", "tail" if tail else sc["data_ids"][stream], block)
+        rows = torch.randn((64, sc["vocab"]), generator=g, dtype=torch.float32)
+        pad = torch.ones(64, dtype=torch.bool) if tail else torch.arange(block * 64, block * 64 + 64) >= sc["totals"][stream]
+        out.append((rows * torch.where(pad, 4.0, 2.0).unsqueeze(1)).to(getattr(torch, sc["dtype"])))
+    return torch.cat(out)[start - start // 64 * 64: stop - start // 64 * 64]
+
+
+def loss_weights(sc, i):
+    """Per response token (w_logprob, w_entropy): loss = sum w_lp * logp - coef * sum w_ent * H."""
+    g = generator(sc["seed"], "weights", sc["data_ids"][i])
+    return torch.rand((2, sc["totals"][i] - sc["prompts"][i]), generator=g, dtype=torch.float32) * 2 - 1
+
+
+def rank_rows(sc, layout):
+    """The rank's rows as the failing run laid them out: its pieces (stream, first, last
+    position + 1) one after the other, its vocab columns, in its shape."""
+    rows = torch.cat([logit_rows(sc, *piece) for piece in layout["pieces"]])
+    a, b = layout["columns"]
+    return rows[:, a:b].contiguous().reshape(layout["shape"])
+
+
+# -- what the code under test must produce: float64, one sample at a time -----------------------
+def truth(sc, layout):
+    """Per sample: float64 log-probs and entropies of the rank's share of response tokens, and
+    d loss / d the rank's rows, the loss summed over every rank's share (every response token)."""
+    t = sc["temperature"]
+    values, grad = [], []
+    for i, share in enumerate(layout["share"]):
+        first = sc["prompts"][i] - 1  # the row scoring response token j is first + j
+        rows = logit_rows(sc, i, 0, sc["totals"][i]).double().requires_grad_()
+        logp_all = torch.log_softmax(rows / t, dim=-1)
+        y = tokens(sc, i)
+        j = torch.arange(sc["totals"][i] - sc["prompts"][i])  # every response token: the loss is the world's
+        logp = logp_all[first + j, y[sc["prompts"][i] + j]]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)[first + j]
+        w = loss_weights(sc, i).double()
+        loss = (w[0] * logp).sum() - sc["entropy_coef"] * (w[1] * entropy).sum() * sc["with_entropy"]
+        (g,) = torch.autograd.grad(loss, rows, allow_unused=True) if loss.requires_grad else (None,)
+        values.append((logp.detach()[share], entropy.detach()[share]))
+        grad.append(g if g is not None else torch.zeros_like(rows))
+    zero = torch.zeros(sc["vocab"], dtype=torch.float64)  # padding rows: no gradient
+    rows = [grad[s][p] if s < len(grad) and p < len(grad[s]) else zero
+            for s, a, b in layout["pieces"] for p in range(a, b)]
+    want = torch.stack(rows).reshape(*layout["shape"][:-1], -1) if rows else torch.zeros(layout["shape"])
+    return values, want[..., layout["columns"][0]:layout["columns"][1]]
+
+
+# -- one rank ----------------------------------------------------------------------------------
+def logged(name, fn, log):
+    """torch.distributed's ``name``, writing each call (op, group, shapes, phase) to ``log``."""
+    def call(*args, **kwargs):
+        group = kwargs.get("group", next((a for a in args if isinstance(a, dist.ProcessGroup)), None))
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        shapes = [list(t.shape) for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
+        op = next((a.name for a in [*args, *kwargs.values()] if isinstance(a, dist.ReduceOp.RedOpType)),
+                  "SUM" if name in ("all_reduce", "reduce_scatter_tensor") else "")
+        phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+        log.write(f"{ranks}\t{name}({op}) {shapes} in {phase}\n")
+        log.flush()
+        return fn(*args, **kwargs)
+    return call
+
+
+def run_rank(rank, world, folder, code):
+    sc, layout = CASE["scenario"], CASE["ranks"][rank]
+    found = {"rank": rank}
+    try:
+        with open(os.path.join(folder, f"calls.{rank}"), "w") as log:
+            for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
+                setattr(dist, name, logged(name, getattr(dist, name), log))
+            dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
+            tp, cp = sc["tp"], sc["cp"]
+            tp_groups = [dist.new_group([c * tp + r for r in range(tp)]) for c in range(cp)]
+            cp_groups = [dist.new_group([c * tp + r for c in range(cp)]) for r in range(tp)]
+            leaf = rank_rows(sc, layout).requires_grad_()
+            logits = leaf.clone()  # a model's output: not a leaf
+            samples = range(len(sc["totals"]))
+            info = SimpleNamespace(
+                tokens=[tokens(sc, i) for i in samples], total_lengths=list(sc["totals"]),
+                response_lengths=[sc["totals"][i] - sc["prompts"][i] for i in samples], layout=sc["layout"],
+                with_entropy=sc["with_entropy"], entropy_coef=sc["entropy_coef"], temperature=sc["temperature"],
+                chunk_size=sc["chunk_size"], max_seq_lens=[layout["shape"][1]] * len(samples) if sc["layout"] == "bshd" else None,
+                tp_group=tp_groups[layout["cp_rank"]], cp_group=cp_groups[layout["tp_rank"]], tp_rank=layout["tp_rank"],
+                tp_size=tp, cp_rank=layout["cp_rank"], cp_size=cp, **code)
+            given = [logits.detach().clone()] + [t.clone() for t in info.tokens]
+            log_probs, entropy = call_code_under_test(logits, info)
+            found["changed_in_forward"] = changed([logits, *info.tokens], given)
+            given = [logits.detach().clone()] + [t.clone() for t in info.tokens]  # the backward's own changes
+            found["log_probs"] = [x.detach() for x in log_probs]
+            found["entropy"] = None if entropy is None else [x.detach() for x in entropy]
+            outs, feed = [], []
+            for i, share in enumerate(layout["share"]):
+                w = loss_weights(sc, i)[:, share]
+                outs.append(log_probs[i]), feed.append(w[0].to(log_probs[i].dtype))
+                if sc["with_entropy"] and entropy is not None:
+                    outs.append(entropy[i]), feed.append((-sc["entropy_coef"] * w[1]).to(entropy[i].dtype))
+            fed = [(o, f) for o, f in zip(outs, feed) if o.requires_grad]
+            fed_before = [f.clone() for _, f in fed]
+            if fed:
+                torch.autograd.backward([o for o, _ in fed], [f for _, f in fed])
+            found["changed_in_backward"] = changed([logits, *info.tokens] + [f for _, f in fed], given + fed_before)
+            found["grad"] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001  (the finding is the exception itself)
+        frames = traceback.extract_tb(exc.__traceback__)  # where in the code under test, if it got there
+        at = next((f for f in reversed(frames) if f.filename.startswith(code["src"] or "?")), frames[-1])
+        found["crash"] = f"{type(exc).__name__}: {exc} (at {at.filename}:{at.lineno})"
+    torch.save(found, os.path.join(folder, f"result.{rank}.pt"))
+
+
+def changed(now, before):
+    """Which of the caller's tensors (0: the logits, then tokens, then fed gradients) changed."""
+    return [k for k, (a, b) in enumerate(zip(now, before)) if not torch.equal(a.detach(), b)]
+
+
+# -- the verdict -------------------------------------------------------------------------------
+def close(got, want, dtype, kind):
+    atol, rtol = CASE["tolerances"][dtype][kind]
+    return (got.double() - want).abs() <= atol + rtol * want.abs()  # NaN is never close
+
+
+def findings(folder, world, hung):
+    sc = CASE["scenario"]
+    results = [torch.load(os.path.join(folder, f"result.{r}.pt"), weights_only=False)
+               for r in range(world) if os.path.exists(os.path.join(folder, f"result.{r}.pt"))]
+    out = [f"rank {res['rank']} raised {res['crash']}" for res in results if "crash" in res]
+    if out:  # a rank that raised makes no more calls: its peers' calls then differ from its own
+        return out
+    calls: dict[str, dict[int, list[str]]] = {}  # group -> rank -> its calls there, in order
+    for r in range(world):
+        for line in open(os.path.join(folder, f"calls.{r}")).read().splitlines():
+            group, call = line.split("\t")
+            calls.setdefault(group, {}).setdefault(r, []).append(call)
+    for group, by_rank in calls.items():  # every member of a group: the same calls, in the same order
+        members = json.loads(group)
+        seqs = [by_rank.get(r, []) for r in members]
+        for n in range(max(map(len, seqs))):
+            said = [seq[n] if n < len(seq) else "no call" for seq in seqs]
+            if len(set(said)) > 1:
+                return [f"collective mismatch in group {members} call {n}: " + "; ".join(
+                    f"rank {r} issued {c}" if c != "no call" else f"rank {r} none" for r, c in zip(members, said))]
+    if hung:
+        return [f"ranks {hung} were still running after {TIMEOUT_S:.0f} s with no collective mismatch logged"]
+    names = ["the logits", *(f"sample {i}'s tokens" for i in range(len(sc["totals"]))), "a gradient fed to backward"]
+    for res in results:
+        for when in ("forward", "backward"):
+            for name in dict.fromkeys(names[min(k, len(names) - 1)] for k in res[f"changed_in_{when}"]):
+                out.append(f"rank {res['rank']} changed {name} in place in the {when}")
+    for res in results:
+        layout = CASE["ranks"][res["rank"]]
+        values, want_grad = truth(sc, layout)
+        for i, (want_lp, want_ent) in enumerate(values):
+            for field, got, want in (("log-prob", res["log_probs"], want_lp), ("entropy", res["entropy"], want_ent)):
+                if got is None or (field == "entropy" and not sc["with_entropy"]):
+                    continue
+                if got[i].shape != want.shape:
+                    out.append(f"rank {res['rank']} sample {i}: {field} has shape {list(got[i].shape)}, want {list(want.shape)}")
+                    continue
+                for j in (~close(got[i], want, sc["dtype"], "values")).nonzero().flatten().tolist()[:SHOWN]:
+                    out.append(f"rank {res['rank']} sample {i} response token {layout['share'][i][j]}: {field} "
+                               f"{got[i][j].item():.8g}, want {want[j].item():.8g}")
+        bad = (~close(res["grad"], want_grad, sc["dtype"], "grad")).nonzero().tolist()
+        for where in bad[:SHOWN]:
+            out.append(f"rank {res['rank']} logits row {where[:-1]} column {layout['columns'][0] + where[-1]}: gradient "
+                       f"{res['grad'][tuple(where)].item():.8g}, want {want_grad[tuple(where)].item():.8g}")
+        if len(bad) > SHOWN:
+            out.append(f"rank {res['rank']}: {len(bad) - SHOWN} more gradient elements off")
+    return out
+
+
+def main(code):
+    world = CASE["scenario"]["tp"] * CASE["scenario"]["cp"]
+    with tempfile.TemporaryDirectory(prefix="repro-") as folder:
+        ctx = multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=run_rank, args=(r, world, folder, code), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            p.kill() if p.is_alive() else None
+            p.join()
+        found = findings(folder, world, hung)
+    what = f"{CASE['target'].split(':')[0]}{':' + code['variant'] if code['variant'] else ''} (from {code['src']}) on scenario {CASE['scenario']['name']}"
+    if found:
+        print(f"FOUND in {what}: " + "; ".join(found[:SHOWN * 2]) + ("" if len(found) <= SHOWN * 2 else f"; and {len(found) - SHOWN * 2} more"))
+        return 1
+    print(f"NOT FOUND: {what} matched the float64 truth in every value and gradient, left its inputs unchanged "
+          f"and issued the same collectives on every rank of each group.")
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=(__doc__ or "\n").splitlines()[1])
+    ap.add_argument("--src", default=CASE["code"]["src"], help="the checkout of the code under test")
+    ap.add_argument("--variant", default=CASE["code"]["variant"], help="the target's variant ('none': the plain one)")
+    args = ap.parse_args()
+    sys.exit(main({"src": args.src, "variant": None if args.variant in (None, "none") else args.variant}))

@@ -1,0 +1,127 @@
+"""`shardcheck repro`: a failure as a script that runs with torch alone.
+
+Each failure kind is planted by one of the builtin's mutants; the script written from it runs in
+a virtualenv that has torch but not shardcheck, must find it (exit 1, saying what), and must
+find nothing when pointed at the builtin without the plant (exit 0). The scripts and their runs
+are subprocesses only: they go in the background (tests/background.py).
+
+Over 20 s: five scripts run twice each, every run a world of spawned processes that import torch
+(about 4 s a run on 2 cores); in the full suite they run in the background while other tests go on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from shardcheck.scenarios import get_suite
+
+# kind -> (the mutant that plants it, a regressions scenario where it shows, what the script says)
+KINDS = {
+    "value": ("chunk_off_by_one", "thd-tp2-chunks", "rank 0 sample 0 response token 0: log-prob"),
+    "gradient": ("entropy_no_grad", "thd-tp2-chunks", "gradient"),
+    "input changed in place": ("inplace_temperature", "thd-tp2-chunks", "changed the logits in place in the forward"),
+    "collective mismatch": ("reduce_op_swap", "thd-tp2-chunks",
+                            "collective mismatch in group [0, 1] call 0: rank 0 issued all_reduce(MAX)"),
+    "crash": ("entropy_none", "ag-empty-local-slices", "rank 0 raised AttributeError"),
+}
+
+
+def _torch_only_venv(folder: Path) -> str:
+    """A virtualenv whose site-packages reach this one's (torch, megatron-core) by a path, which
+    Python adds without running that folder's .pth files: shardcheck's editable install stays out."""
+    venv = folder / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    Path(site, "torch_only.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def _scripts(folder: Path) -> dict:
+    python = _torch_only_venv(folder)
+    out = {"imports_shardcheck": subprocess.run([python, "-c", "import shardcheck"], capture_output=True,
+                                                timeout=60, cwd=folder).returncode == 0,
+           "imports_torch": subprocess.run([python, "-c", "import torch"], capture_output=True,
+                                           timeout=120, cwd=folder).returncode == 0}
+    for kind, (mutant, scenario, _) in KINDS.items():
+        path = folder / f"{mutant}.py"
+        made = run_cli("repro", "--target", f"builtin:{mutant}", "--suite", "regressions", "--scenario", scenario,
+                       "--out", str(path), timeout=120)
+        runs = [subprocess.run([python, str(path), *extra], capture_output=True, text=True, timeout=120, cwd=folder)
+                for extra in ([], ["--variant", "none"])] if made.returncode == 0 else []
+        out[kind] = {"made": made, "text": path.read_text() if path.exists() else "", "runs": runs}
+    return out
+
+
+BACKGROUND = {"repro-kinds": (_scripts, 900)}
+
+
+@pytest.mark.background("repro-kinds")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_script_finds_each_kind_with_torch_alone(kind, background):
+    done = background("repro-kinds")
+    assert done["imports_torch"] and not done["imports_shardcheck"], "the venv must have torch and not shardcheck"
+    mutant, scenario, says = KINDS[kind]
+    made, text, runs = done[kind]["made"], done[kind]["text"], done[kind]["runs"]
+    assert made.returncode == 0, made.stderr
+    assert text.count("\n") < 300
+    assert f"builtin:{mutant} on scenario {scenario}" in text.splitlines()[0]
+    found, clean = runs
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert found.stdout.startswith("FOUND") and says in found.stdout, found.stdout
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert clean.stdout.startswith("NOT FOUND"), clean.stdout
+
+
+def _report(path: Path, spec: str, scenario, failures: list) -> Path:
+    """A JSON report as `run --json-report` writes it, the fields repro reads."""
+    entry = {"name": scenario.name, "verdict": "fail" if failures else "pass", "failures": failures,
+             "scenario": scenario.to_dict()}
+    path.write_text(json.dumps({"target_spec": spec, "scenarios": [entry]}))
+    return path
+
+
+def test_from_a_report_the_header_says_what_was_found(tmp_path):
+    sc = next(s for s in get_suite("regressions") if s.name == "thd-tp2-chunks")
+    failure = {"kind": "collective_mismatch", "phase": "forward", "message": "group [0, 1] call 0: they differ"}
+    report = _report(tmp_path / "r.json", "builtin:reduce_op_swap", sc, [failure])
+    proc = run_cli("repro", "--report", str(report), "--scenario", sc.name, cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "repro-thd-tp2-chunks.py").read_text()
+    assert "Expected (shardcheck found): collective_mismatch in the forward: group [0, 1] call 0" in text
+    assert '"variant": "reduce_op_swap"' in text
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--target", "builtin", "--suite", "regressions", "--scenario", "no-such"], "unknown scenario(s) 'no-such'"),
+    (["--target", "plants:CorruptValue", "--suite", "regressions", "--scenario", "thd-tp2-chunks"],
+     "cannot say how it calls its code"),
+    (["--target", "builtin", "--suite", "smoke", "--scenario", "thd-tp2cp1-replay"], "kept tokens"),
+    (["--target", "builtin", "--suite", "regressions"], "the following arguments are required: --scenario"),
+])
+def test_bad_input_is_one_line_and_status_2(tmp_path, args, says):
+    proc = run_cli("repro", *args, cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not list(tmp_path.iterdir()), "nothing is written for bad input"
+
+
+def test_a_report_without_that_failure_and_a_file_in_the_way_are_refused(tmp_path):
+    sc = next(s for s in get_suite("regressions") if s.name == "thd-tp2-chunks")
+    passed = _report(tmp_path / "r.json", "builtin", sc, [])
+    proc = run_cli("repro", "--report", str(passed), "--scenario", sc.name, cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and "did not fail" in proc.stderr, proc.stderr
+    mine = tmp_path / "mine.py"
+    mine.write_text("# the user's\n")
+    proc = run_cli("repro", "--target", "builtin", "--suite", "regressions", "--scenario", sc.name,
+                   "--out", str(mine), cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and "exists" in proc.stderr, proc.stderr
+    assert mine.read_text() == "# the user's\n"
