@@ -139,7 +139,8 @@ def run_rank(rank, world, folder, code):
                 outs.append(log_probs[i]), feed.append(w[0].to(log_probs[i].dtype))
                 if sc["with_entropy"] and entropy is not None:
                     outs.append(entropy[i]), feed.append((-sc["entropy_coef"] * w[1]).to(entropy[i].dtype))
-            fed = [(o, f) for o, f in zip(outs, feed) if o.requires_grad]
+            # what is malformed is the value check's to report; the rest is differentiated
+            fed = [(o, f) for o, f in zip(outs, feed) if o.requires_grad and o.shape == f.shape]
             fed_before = [f.clone() for _, f in fed]
             if fed:
                 torch.autograd.backward([o for o, _ in fed], [f for _, f in fed])
@@ -168,8 +169,11 @@ def findings(folder, world, hung):
     sc = CASE["scenario"]
     results = [torch.load(os.path.join(folder, f"result.{r}.pt"), weights_only=False)
                for r in range(world) if os.path.exists(os.path.join(folder, f"result.{r}.pt"))]
-    out = [f"rank {res['rank']} raised {res['crash']}" for res in results if "crash" in res]
-    if out:  # a rank that raised makes no more calls: its peers' calls then differ from its own
+    crashes = {res["rank"]: f"rank {res['rank']} raised {res['crash']}" for res in results if "crash" in res}
+    # a rank that raised makes no more calls, so its peers' calls differ from its own; a peer
+    # gone makes the backend raise on the others: those crashes follow from something else
+    out = [c for c in crashes.values() if not any(m in c for m in ("Connection closed by peer", "Timed out"))]
+    if out:
         return out
     calls: dict[str, dict[int, list[str]]] = {}  # group -> rank -> its calls there, in order
     for r in range(world):
@@ -184,6 +188,8 @@ def findings(folder, world, hung):
             if len(set(said)) > 1:
                 return [f"collective mismatch in group {members} call {n}: " + "; ".join(
                     f"rank {r} issued {c}" if c != "no call" else f"rank {r} none" for r, c in zip(members, said))]
+    if crashes:
+        return list(crashes.values())
     if hung:
         return [f"ranks {hung} were still running after {TIMEOUT_S:.0f} s with no collective mismatch logged"]
     names = ["the logits", *(f"sample {i}'s tokens" for i in range(len(sc["totals"]))), "a gradient fed to backward"]
