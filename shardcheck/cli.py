@@ -446,7 +446,7 @@ def _run(args: argparse.Namespace) -> int:
                             nproc=args.nproc,
                             timeout=args.timeout, lockstep=not args.no_lockstep, trace=args.trace,
                             backend=args.backend, inplace=not args.no_inplace, world=world,
-                            coverage=args.coverage)
+                            coverage=args.coverage, repro=_repro_command(args))
     finally:
         if world is not None:
             world.close()
@@ -569,6 +569,20 @@ def _simulate(args: argparse.Namespace) -> int:
     _use_target_config(args)
     scenarios = _select(args) if (args.suite or args.scenario_file) else None
     return simulate.main(args, scenarios, _target_args(args))
+
+
+def _repro_command(args: argparse.Namespace) -> str:
+    """The `shardcheck repro` command for a failure of this run ({scenario}: its name)."""
+    import shlex
+
+    if args.json_report:
+        where = ["--report", args.json_report]
+    else:
+        where = ["--target", args.target, *(["--scenario-file", args.scenario_file] if args.scenario_file
+                                            else ["--suite", args.suite or "smoke"]), *_target_args(args)]
+        where = [w for w in where if w != "--no-inplace"]
+    return "shardcheck repro " + " ".join(map(shlex.quote, where)).replace("{", "{{").replace("}", "}}") + \
+        " --scenario {scenario}"
 
 
 def _repro(args: argparse.Namespace) -> int:

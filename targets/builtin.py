@@ -124,31 +124,6 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None, None
 
 
-# How a `shardcheck repro` script calls this target (see harness/controller/repro.py): shardcheck's
-# own implementation is loaded from its source tree, folder by folder as pyproject.toml maps them,
-# so the script needs torch and that tree, not an installed shardcheck.
-REPRO_CALL = '''
-def call_code_under_test(logits, rank):
-    """shardcheck's builtin target (rank.variant: the bug a mutant plants; None: none), loaded from
-    its source tree rank.src, called as shardcheck calls it: compute(RankInputs)."""
-    import importlib.util
-    for name, folder in (("shardcheck", "shardcheck"), ("shardcheck.scenarios", "scenarios"),
-                         ("shardcheck.targets", "targets")):
-        if name not in sys.modules:
-            path = os.path.join(rank.src, folder)
-            spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
-                                                          submodule_search_locations=[path])
-            sys.modules[name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(sys.modules[name])
-    from shardcheck.targets.base import RankInputs
-    from shardcheck.targets.mutants import builtin
-
-    given = {k: v for k, v in vars(rank).items() if k not in ("src", "variant")}
-    out = builtin(rank.variant).compute(RankInputs(logits=logits, **given))
-    return out.log_probs, out.entropy
-'''
-
-
 class BuiltinTarget:
     """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
 
@@ -161,11 +136,6 @@ class BuiltinTarget:
                   ("rerun", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")}
     # per local row, the replayed keep set it renormalises over (set by compute; None: none)
     _row_keep: list | None = None
-
-    def repro_call(self) -> str | None:
-        """How a `shardcheck repro` script calls this target: by name, so only for the classes
-        the script can load from the source tree (not a subclass written elsewhere, a test's plant)."""
-        return REPRO_CALL if type(self).__module__ in ("shardcheck.targets.builtin", "shardcheck.targets.mutants") else None
 
     def describe(self) -> dict[str, Any]:
         from shardcheck import __version__
@@ -379,3 +349,33 @@ class BuiltinTarget:
                 pieces.append(resp[a - first : b - first] if a < b else resp[:0])
             shares.append(torch.cat(pieces))
         return shares
+
+    def repro_call(self) -> str | None:
+        """How a `shardcheck repro` script calls this target: by name, so only for the classes
+        the script can load from the source tree (not a subclass written elsewhere, a test's plant)."""
+        return REPRO_CALL if type(self).__module__ in ("shardcheck.targets.builtin", "shardcheck.targets.mutants") else None
+
+
+# How a `shardcheck repro` script calls this target (see harness/controller/repro.py): shardcheck's
+# own implementation is loaded from its source tree, folder by folder as pyproject.toml maps them,
+# so the script needs torch and that tree, not an installed shardcheck.
+REPRO_CALL = '''
+def call_code_under_test(logits, rank):
+    """shardcheck's builtin target (rank.variant: the bug a mutant plants; None: none), loaded from
+    its source tree rank.src, called as shardcheck calls it: compute(RankInputs)."""
+    import importlib.util
+    for name, folder in (("shardcheck", "shardcheck"), ("shardcheck.scenarios", "scenarios"),
+                         ("shardcheck.targets", "targets")):
+        if name not in sys.modules:
+            path = os.path.join(rank.src, folder)
+            spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                          submodule_search_locations=[path])
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[name])
+    from shardcheck.targets.base import RankInputs
+    from shardcheck.targets.mutants import builtin
+
+    given = {k: v for k, v in vars(rank).items() if k not in ("src", "variant")}
+    out = builtin(rank.variant).compute(RankInputs(logits=logits, **given))
+    return out.log_probs, out.entropy
+'''

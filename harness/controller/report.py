@@ -329,6 +329,8 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
         if v.status == FAIL:
             lines.append("")
             lines.append(render_failure(v))
+            if info.repro and not (v.scenario.processed or v.scenario.sampling):
+                lines.append("  as a script needing only torch: " + info.repro.format(scenario=shell_word(v.scenario.name)))
     c = _counts(verdicts)
     start = info.startup_seconds
     if info.world_events:
@@ -443,6 +445,13 @@ def show_progress(err: TextIO, line: str, live: bool) -> None:
         print("\r\033[K" + line[:terminal_width() - 1], end="", file=err, flush=True)
     else:
         print(line, file=err, flush=True)
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one word of a command line a user can paste."""
+    import shlex
+
+    return shlex.quote(text)
 
 
 def rank_list(ranks: list[int]) -> str:

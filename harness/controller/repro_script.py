@@ -187,7 +187,7 @@ def findings(folder, world, hung):
             said = [seq[n] if n < len(seq) else "no call" for seq in seqs]
             if len(set(said)) > 1:
                 return [f"collective mismatch in group {members} call {n}: " + "; ".join(
-                    f"rank {r} issued {c}" if c != "no call" else f"rank {r} none" for r, c in zip(members, said))]
+                    f"rank {r} issued {c}" if c != "no call" else f"rank {r} made no call" for r, c in zip(members, said))]
     if crashes:
         return list(crashes.values())
     if hung:

@@ -105,6 +105,7 @@ def run(
     backend: str = "gloo",
     inplace: bool = True,
     coverage: bool = False,
+    repro: str | None = None,
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
 
@@ -131,7 +132,8 @@ def run(
     size = given or world_size_for([sc for _, sc in runnable])
     chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     world = chosen.world
-    info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace)
+    info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace,
+                   repro=repro if getattr(target, "repro_call", lambda: None)() else None)
     reach = Reach(str(target.src) if getattr(target, "src", None) is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]

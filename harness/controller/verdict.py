@@ -102,6 +102,9 @@ class RunInfo:
     inplace: bool = True  # whether input_mutated was checked (run --no-inplace: not)
     # run --coverage: what of the framework's own code ran (controller/reach_report.Reach.summary)
     coverage: dict[str, Any] | None = None
+    # how to write a failure as a standalone script ({scenario}: its name); None where the target
+    # cannot say how it calls its code
+    repro: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
