@@ -437,9 +437,12 @@ def test_ranks_still_issuing_calls_are_not_hung():
     assert v.seconds > 4.0
 
 
+@pytest.mark.calm
 def test_the_rank_that_did_not_come_heads_the_verdict_when_replicas_finished():
     """World 4 at tp 2: ranks 2 and 3 (a data-parallel replica) finish; rank 0 waits for rank 1,
-    which spins. The first line blames rank 1, at once (not at the controller's deadline)."""
+    which spins. The first line blames rank 1, at once (not at the controller's deadline).
+    Calm: the spinning rank holds a CPU for the 2 s deadline; with a background run on the other
+    one, the ranks' waits for a CPU made the verdict the machine's (timeout), not the target's."""
     with SpawnedWorld(4, timeout=2) as world:
         _, v = _one(world, "plants:SpinsOnRankOne")
     head = v.failures[0]

@@ -6,7 +6,7 @@ find nothing when pointed at the builtin without the plant (exit 0). The scripts
 are subprocesses only: they go in the background (tests/background.py).
 
 Over 20 s: five scripts run twice each, every run a world of spawned processes that import torch
-(about 4 s a run on 2 cores); in the full suite they run in the background while other tests go on.
+(about 1.5 s a run on 2 cores); in the full suite they run in the background while other tests go on.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def findings(folder, world, hung):
 def main(code):
     world = CASE["scenario"]["tp"] * CASE["scenario"]["cp"]
     with tempfile.TemporaryDirectory(prefix="repro-") as folder:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("fork")  # torch is loaded once; nothing of it has run yet
         procs = [ctx.Process(target=run_rank, args=(r, world, folder, code), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
