@@ -518,7 +518,7 @@ def _writable(path: str) -> None:
 
 def _fuzz(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller import fuzz
-    from shardcheck.harness.controller.fuzz_report import Progress, header, summary, write_minimal
+    from shardcheck.harness.controller.fuzz_report import Progress, header, repro_offer, summary, write_minimal
 
     _check_world_options(args)
     _use_target_config(args)
@@ -554,7 +554,8 @@ def _fuzz(args: argparse.Namespace) -> int:
         from shardcheck.harness.controller.html_report import fuzz_page, write
 
         write(args.html_report, fuzz_page(result))
-    print(summary(result, written, replay, minimal), flush=True)
+    print(summary(result, written, replay, minimal, repro_offer(args.target, minimal, written, _target_args(args))),
+          flush=True)
     return result.exit_code
 
 

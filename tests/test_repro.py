@@ -129,3 +129,40 @@ def test_a_report_without_that_failure_and_a_file_in_the_way_are_refused(tmp_pat
                           "--out", str(mine))
     assert proc.returncode == 2 and "exists" in proc.stderr, proc.stderr
     assert mine.read_text() == "# the user's\n"
+
+
+def test_a_run_fuzz_and_simulate_offer_the_command_where_a_script_can_be_written():
+    """Under each failure shardcheck run shows (RunInfo.repro, set where the target has a repro
+    call), and for fuzz's and simulate's minimal scenario; not for a scenario repro refuses."""
+    from shardcheck.harness.controller.fuzz_report import repro_offer
+    from shardcheck.harness.controller.report import render_table
+    from shardcheck.harness.controller.verdict import RunInfo, Verdict
+    from shardcheck.harness.wire import Failure
+
+    plain, replayed = (next(s for s in get_suite("smoke") if s.name == n) for n in ("thd-tp2cp1-basic", "thd-tp2cp1-replay"))
+    command = "shardcheck repro --target builtin:x --suite smoke --scenario {scenario}"
+    info = RunInfo({"name": "builtin:x"}, "builtin:x", 4, "gloo", "", True, repro=command)
+    verdicts = [Verdict(sc, "fail", failures=[Failure("value_mismatch", "off", [0])]) for sc in (plain, replayed)]
+    text = render_table(verdicts, info)
+    assert text.count("as a script needing only torch:") == 1
+    assert "as a script needing only torch: shardcheck repro --target builtin:x --suite smoke --scenario thd-tp2cp1-basic" in text
+    info.repro = None  # a target without a repro call
+    assert "as a script" not in render_table(verdicts, info)
+    assert repro_offer("builtin:chunk_off_by_one", plain, "m.json") == (
+        "shardcheck repro --target builtin:chunk_off_by_one --scenario-file m.json --scenario thd-tp2cp1-basic")
+    assert repro_offer("builtin", replayed, "m.json") is None
+    assert repro_offer("plants:CorruptValue", plain, "m.json") is None
+
+
+def test_the_html_page_offers_the_command_beside_the_replay():
+    from shardcheck.harness.controller.html_report import render
+
+    plain, replayed = (next(s for s in get_suite("smoke") if s.name == n) for n in ("thd-tp2cp1-basic", "thd-tp2cp1-replay"))
+    entries = [{"name": sc.name, "verdict": "fail", "failures": [{"kind": "value_mismatch", "message": "off"}],
+                "scenario": sc.to_dict()} for sc in (plain, replayed)]
+    doc = {"target_spec": "builtin:x", "repro": "shardcheck repro --report r.json --scenario {scenario}",
+           "scenarios": entries}
+    page = render(doc)
+    assert page.count("shardcheck repro") == 1
+    assert "shardcheck repro --target builtin:x --scenario-file scenario.json --scenario thd-tp2cp1-basic" in page
+    assert "shardcheck repro" not in render(dict(doc, repro=None))

@@ -70,7 +70,19 @@ def write_minimal(result: FuzzResult, out: str, command: str, target_args: Seque
     return minimal, out, replay
 
 
-def summary(result: FuzzResult, written: str | None, replay: str | None, minimal: Scenario | None) -> str:
+def repro_offer(target: str, minimal: Scenario | None, path: str | None, target_args: Sequence[str] = ()) -> str | None:
+    """The `shardcheck repro` command for the written minimal scenario, where one can be written."""
+    from shardcheck.harness.controller import repro
+    from shardcheck.targets import resolve
+
+    if minimal is None or path is None or repro.refusal(resolve(target), minimal) is not None:
+        return None
+    return shlex.join(["shardcheck", "repro", "--target", target, "--scenario-file", path, *target_args,
+                       "--scenario", minimal.name])
+
+
+def summary(result: FuzzResult, written: str | None, replay: str | None, minimal: Scenario | None,
+            repro: str | None = None) -> str:
     lines = []
     rate = 60 * result.runs / result.scenario_seconds if result.scenario_seconds > 0 else 0.0
     start = sum(result.startup_seconds)
@@ -101,5 +113,7 @@ def summary(result: FuzzResult, written: str | None, replay: str | None, minimal
     if written:
         lines.append(f"written to {written}")
         lines.append(f"replay: {replay}")
+        if repro:
+            lines.append(f"as a script needing only torch: {repro}")
     lines.append(timing)
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import json
+import shlex
 from typing import Any
 
 from shardcheck.errors import BadInput
@@ -52,7 +53,7 @@ def render(doc: dict[str, Any]) -> str:
     out += _summary(doc)
     failing = [s for s in doc["scenarios"] if s.get("verdict") == "fail"]
     for entry in failing:
-        out += _scenario(entry, doc.get("target_spec"))
+        out += _scenario(entry, doc.get("target_spec"), bool(doc.get("repro")))
     out.append("</body></html>")
     return "\n".join(out)
 
@@ -165,7 +166,8 @@ def _invariance(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
+def _scenario(entry: dict[str, Any], target_spec: str | None, repro: bool = False) -> list[str]:
+    """A failed scenario's section; ``repro``: its target can be written as a standalone script."""
     name = _e(entry.get("name", "?"))
     out = [f"<section id='sc-{name}'><h2>FAILED {name}</h2><ul>"]
     for f in entry.get("failures") or []:
@@ -185,8 +187,22 @@ def _scenario(entry: dict[str, Any], target_spec: str | None) -> list[str]:
         if target_spec:
             out.append(f"<p>To run it again, save it as <code>scenario.json</code>, then:</p><pre class=replay>"
                        f"shardcheck run --target {_e(target_spec)} --scenario-file scenario.json</pre>")
+            if repro and _scriptable(scenario):
+                out.append(f"<p>As a script that needs only torch and the code under test:</p><pre class=replay>"
+                           f"shardcheck repro --target {_e(target_spec)} --scenario-file scenario.json "
+                           f"--scenario {_e(shlex.quote(entry.get('name', '?')))}</pre>")
     out.append("</section>")
     return out
+
+
+def _scriptable(scenario: dict[str, Any]) -> bool:
+    from shardcheck.harness.controller.repro import scenario_refusal
+    from shardcheck.scenarios import Scenario
+
+    try:
+        return scenario_refusal(Scenario.from_dict(scenario)) is None
+    except Exception:  # noqa: BLE001  (a page of an older report: say nothing of it)
+        return False
 
 
 def _lanes(failure: dict[str, Any], traces: dict[str, list[dict[str, Any]]]) -> list[str]:

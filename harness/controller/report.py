@@ -329,7 +329,7 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
         if v.status == FAIL:
             lines.append("")
             lines.append(render_failure(v))
-            if info.repro and not (v.scenario.processed or v.scenario.sampling):
+            if info.repro and _repro_refusal(v.scenario) is None:
                 lines.append("  as a script needing only torch: " + info.repro.format(scenario=shell_word(v.scenario.name)))
     c = _counts(verdicts)
     start = info.startup_seconds
@@ -361,6 +361,12 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
            f"{info.ranks} ranks)" if start else "")
     )
     return "\n".join(lines)
+
+
+def _repro_refusal(scenario: Scenario) -> str | None:
+    from shardcheck.harness.controller.repro import scenario_refusal  # torch: only once a failure is shown
+
+    return scenario_refusal(scenario)
 
 
 def scenario_count(done: int, planned: int | None) -> str:

@@ -49,15 +49,10 @@ def from_report(path: str, name: str) -> tuple[str, Scenario, dict[str, Any]]:
 def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, Any] | None,
                 name: str = "repro.py") -> str:
     """The script for ``scenario`` on ``target`` (named by ``spec``), expecting ``failure``."""
-    call = target.repro_call() if hasattr(target, "repro_call") else None
-    if not call:
-        raise BadInput(f"target {spec!r} cannot say how it calls its code (it has no repro_call)")
-    sc = scenario
-    if sc.processed or sc.sampling:
-        raise BadInput(f"scenario {sc.name!r} renormalises over kept tokens (top-k/top-p, replayed keep sets): "
-                       "repro does not write those yet")
-    if data_path(target) is not None or loss_form(target) != "weighted":
-        raise BadInput(f"target {spec!r} lays out its own rows or computes its own loss: repro does not write those yet")
+    refused = refusal(target, scenario)
+    if refused:
+        raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
+    sc, call = scenario, target.repro_call()
     src = _source_tree()
     head, _, variant = spec.partition(":")
     case = {
@@ -81,6 +76,22 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     if lines > MAX_LINES:  # a design limit, not the user's input: say so plainly
         raise BadInput(f"the script for {sc.name!r} would be {lines} lines, over {MAX_LINES}")
     return text
+
+
+def refusal(target: Any, scenario: Scenario) -> str | None:
+    """Why no script can be written for ``scenario`` on ``target`` (None: one can)."""
+    if not (hasattr(target, "repro_call") and target.repro_call()):
+        return "the target cannot say how it calls its code (it has no repro_call)"
+    if data_path(target) is not None or loss_form(target) != "weighted":
+        return "the target lays out its own rows or computes its own loss: repro does not write those yet"
+    return scenario_refusal(scenario)
+
+
+def scenario_refusal(scenario: Scenario) -> str | None:
+    if scenario.processed or scenario.sampling:
+        return ("it renormalises over kept tokens (top-k/top-p, replayed keep sets): "
+                "repro does not write those yet")
+    return None
 
 
 def write(path: str, text: str) -> None:

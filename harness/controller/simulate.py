@@ -41,7 +41,7 @@ def main(args: argparse.Namespace, scenarios: list[Scenario] | None, target_args
 
 
 def _search(args: argparse.Namespace, target_args: list[str]) -> int:
-    from shardcheck.harness.controller.fuzz_report import Progress, summary, write_minimal
+    from shardcheck.harness.controller.fuzz_report import Progress, repro_offer, summary, write_minimal
     from shardcheck.scenarios.scenario import LAYOUTS
     from shardcheck.scenarios.scenario import layout_fits
 
@@ -61,7 +61,7 @@ def _search(args: argparse.Namespace, target_args: list[str]) -> int:
         finally:
             progress.close()
     minimal, written, replay = write_minimal(result, out, "simulate", target_args)
-    print(summary(result, written, replay, minimal))
+    print(summary(result, written, replay, minimal, repro_offer(args.target, minimal, written, target_args)))
     print(NOTE)
     if minimal is not None and not args.no_replay:
         print(replay_on_real_world(minimal, args.target, result.failure.kinds, args.timeout, not args.no_inplace))
