@@ -168,6 +168,11 @@ class SlimeTarget(CheckoutTarget):
             tensor_model_parallel_size=inputs.tp_size,
         )
 
+    def repro_call(self) -> str | None:
+        """How a repro script calls slime: the plain target on shardcheck's rows only (a script
+        that runs slime's get_batch, or its policy loss, is not written yet)."""
+        return REPRO_CALL if type(self) is SlimeTarget and self.data_path is None else None
+
     def compute(self, inputs: RankInputs) -> RankOutputs:
         fn = self._function()
         args = self.args(inputs)
@@ -195,6 +200,47 @@ class SlimeTarget(CheckoutTarget):
             result = result[-1]
         self.missing_args |= args.__dict__.get("_missing", set())
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
+
+
+# How a `shardcheck repro` script calls slime (see harness/controller/repro.py): as SlimeTarget
+# does with the harness's rows (layout=shardcheck), from the checkout, megatron-core's groups built.
+REPRO_CALL = '''
+def call_code_under_test(logits, rank):
+    """slime's get_log_probs_and_entropy from rank.src, as shardcheck's slime target calls it (its rows)."""
+    import importlib.util
+    import inspect
+    import types
+
+    from megatron.core import parallel_state as mpu
+
+    class Stub(types.ModuleType):  # a module slime imports but this path never uses
+        __path__ = []
+        __getattr__ = lambda self, name: self if not name.startswith("__") else object.__getattribute__(self, name)
+        __call__ = __or__ = __ror__ = __getitem__ = lambda self, *a, **k: self  # calls, X | None, X[...]
+        __mro_entries__ = lambda self, bases: (object,)
+
+    if rank.src not in sys.path:
+        sys.path.insert(0, rank.src)
+        torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly, as shardcheck runs them
+        for name in STUBBABLE:
+            if importlib.util.find_spec(name) is None:
+                sys.modules[name] = Stub(name)
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+
+    args = SimpleNamespace(rollout_temperature=rank.temperature, log_probs_chunk_size=rank.chunk_size,
+                           allgather_cp=rank.layout == "allgather", entropy_coef=rank.entropy_coef,
+                           qkv_format="bshd" if rank.layout == "bshd" else "thd", rollout_top_p=1.0,
+                           context_parallel_size=rank.cp_size, tensor_model_parallel_size=rank.tp_size)
+    kwargs = {"args": args, "unconcat_tokens": rank.tokens, "total_lengths": rank.total_lengths,
+              "response_lengths": rank.response_lengths, "with_entropy": rank.with_entropy}
+    if "max_seq_lens" in inspect.signature(get_log_probs_and_entropy).parameters:
+        kwargs["max_seq_lens"] = rank.max_seq_lens
+    result = get_log_probs_and_entropy(logits, **kwargs)
+    result = result[-1] if isinstance(result, tuple) else result  # (empty, dict) in later commits
+    return list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None
+'''.replace("STUBBABLE", repr(STUBBABLE))
 
 
 def _rollout_on(rollout: Rollout, device: Any) -> Rollout:

@@ -27,6 +27,21 @@ def run_cli(*args: str, timeout: float = 600, cwd: str | None = None) -> subproc
                           timeout=timeout, env=env, cwd=cwd)
 
 
+def torch_only_python(folder: Path) -> str:
+    """The python of a virtualenv in ``folder`` whose site-packages reach this one's (torch,
+    megatron-core) by a path, which Python adds without running that folder's .pth files:
+    shardcheck's editable install stays out (a `shardcheck repro` script must not need it)."""
+    import sysconfig
+
+    venv = folder / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    Path(site, "torch_only.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
 def export_commit(repo: str, rev: str, dest: Path, *paths: str) -> str:
     """``rev`` of a framework's git repository as a plain folder (``git archive``, only
     ``paths`` when given): the repository is only read."""

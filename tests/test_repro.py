@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
+from conftest import torch_only_python
 from shardcheck.harness.controller import repro
 from shardcheck.scenarios import get_suite
 from shardcheck.targets import resolve
@@ -34,20 +33,8 @@ KINDS = {
 }
 
 
-def _torch_only_venv(folder: Path) -> str:
-    """A virtualenv whose site-packages reach this one's (torch, megatron-core) by a path, which
-    Python adds without running that folder's .pth files: shardcheck's editable install stays out."""
-    venv = folder / "venv"
-    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
-    python = str(venv / "bin" / "python")
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    Path(site, "torch_only.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
-
-
 def _scripts(folder: Path) -> dict:
-    python = _torch_only_venv(folder)
+    python = torch_only_python(folder)
     # torch is there: every script imports it
     out = {"imports_shardcheck": subprocess.run([python, "-c", "import shardcheck"], capture_output=True,
                                                 timeout=60, cwd=folder).returncode == 0}

@@ -3,11 +3,12 @@ SHARDCHECK_SLIME_SRC to one. Era detection and bad input are checked without it.
 
 import json
 import os
+import subprocess
 import textwrap
 
 import pytest
 
-from conftest import export_commit, run_cli, write_scenarios
+from conftest import export_commit, run_cli, torch_only_python, write_scenarios
 from shardcheck.errors import BadInput
 from shardcheck.scenarios import Scenario, get_suite
 from shardcheck.targets.slime import ENV, detect_era, source
@@ -269,3 +270,31 @@ def test_a_rank_whose_loss_misses_its_logits_hangs_the_models_backward(tmp_path)
             *scenario, str(tmp_path / "f.json"))
     [v] = json.loads((tmp_path / "f.json").read_text())["scenarios"]
     assert "collective_mismatch" not in v["kinds"], v["kinds"]
+
+
+PR_1822 = "2928bba9d"  # "Revert no_grad for entropy to prevent comm stuck in dsa": None entropy of an empty slice
+
+
+@needs_slime
+@needs_slime_history
+def test_a_repro_script_shows_a_slime_bug_with_torch_and_slime_alone(tmp_path):
+    """`shardcheck repro` at the parent of #1822 (shardcheck's rows, whose all-gather slices are
+    empty on a rank): the script, run where shardcheck is not installed, finds the None entropy's
+    crash in slime's loss.py; pointed at the newest checkout it finds nothing. At the fix itself it
+    finds the next bug of that era (#1846's hang in backward), as shardcheck does."""
+    repo = os.environ[REPO_ENV]
+    script = tmp_path / "repro.py"
+    made = run_cli("repro", "--target", "slime", "--target-src", export_commit(repo, f"{PR_1822}~1", tmp_path / "p"),
+                   "--target-opt", "layout=shardcheck", "--suite", "regressions", "--scenario", "ag-empty-local-slices",
+                   "--out", str(script))
+    assert made.returncode == 0, made.stderr
+    assert script.read_text().count("\n") < 300
+    python = torch_only_python(tmp_path)
+    run = lambda *extra: subprocess.run([python, str(script), *extra], capture_output=True, text=True,  # noqa: E731
+                                        timeout=180, cwd=tmp_path)
+    parent, newest, fix = run(), run("--src", SLIME_SRC), run("--src", export_commit(repo, PR_1822, tmp_path / "f"))
+    assert parent.returncode == 1, parent.stdout + parent.stderr
+    assert "raised AttributeError: 'NoneType' object has no attribute 'dtype'" in parent.stdout, parent.stdout
+    assert "slime/backends/megatron_utils/loss.py" in parent.stdout
+    assert newest.returncode == 0 and newest.stdout.startswith("NOT FOUND"), newest.stdout + newest.stderr
+    assert fix.returncode == 1 and "collective mismatch" in fix.stdout and "in backward" in fix.stdout, fix.stdout

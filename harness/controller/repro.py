@@ -53,7 +53,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     if refused:
         raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
     sc, call = scenario, target.repro_call()
-    src = _source_tree()
+    src = str(target.src) if getattr(target, "src", None) is not None else _source_tree()
     head, _, variant = spec.partition(":")
     case = {
         "target": spec,
@@ -136,16 +136,13 @@ def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, n
     commit = _commit(src)
     return "\n".join([
         '"""shardcheck repro: ' + f"{spec} on scenario {sc.name} ({sc.layout}, tp={sc.tp}, cp={sc.cp}, {sc.dtype})",
-        "Reproduces one failure with torch alone: a world of tp * cp processes (gloo), the scenario's",
-        "inputs from its seed, each rank's rows as the failing run laid them out, the code under test",
-        "called as shardcheck's target calls it, and plain checks against a float64 computation.",
-        "",
+        "A world of tp * cp processes (gloo) with torch alone: the scenario's inputs from its seed, each rank's",
+        "rows as the failing run laid them out, the code under test called as shardcheck's target calls it,",
+        "and plain checks against a float64 computation.",
         f"Code under test: {src}" + (f" at commit {commit}" if commit else ""),
         f"Expected (shardcheck found): {expected}",
+        f"Run: python {name} [--src CHECKOUT] [--variant NAME|none]; exit 1: found (it says what), 0: not.",
         f"Written {datetime.date.today().isoformat()} by `shardcheck repro`.",
-        "",
-        f"Run:  python {name} [--src CHECKOUT] [--variant NAME|none]",
-        "Exit: 1 when it finds the failure (it prints what), 0 when it does not.",
         '"""',
         "",
     ]) + "\n"
