@@ -132,7 +132,7 @@ def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, n
         where = f" in the {failure['phase']}" if failure.get("phase") else ""
         expected = f"{failure['kind']}{where}: {' '.join(str(failure.get('message', '')).split())[:300]}"
     else:
-        expected = "nothing (no failure was given): the script says what it finds"
+        expected = "not given (written from a scenario, not a report): the script says what it finds"
     commit = _commit(src)
     return "\n".join([
         '"""shardcheck repro: ' + f"{spec} on scenario {sc.name} ({sc.layout}, tp={sc.tp}, cp={sc.cp}, {sc.dtype})",

@@ -237,7 +237,7 @@ def main(code):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=(__doc__ or "\n").splitlines()[1])
+    ap = argparse.ArgumentParser(description=(__doc__ or "repro").splitlines()[0])
     ap.add_argument("--src", default=CASE["code"]["src"], help="the checkout of the code under test")
     ap.add_argument("--variant", default=CASE["code"]["variant"], help="the target's variant ('none': the plain one)")
     args = ap.parse_args()
