@@ -153,3 +153,15 @@ def test_the_html_page_offers_the_command_beside_the_replay():
     assert page.count("shardcheck repro") == 1
     assert "shardcheck repro --target builtin:x --scenario-file scenario.json --scenario thd-tp2cp1-basic" in page
     assert "shardcheck repro" not in render(dict(doc, repro=None))
+
+
+def test_a_script_too_long_to_read_is_refused_with_the_count(tmp_path, cli_in_process, monkeypatch):
+    """One line of data a rank: a world of 64 ranks would take the script past 300 lines."""
+    from shardcheck.scenarios import Sample, Scenario, write_scenario_file
+
+    monkeypatch.chdir(tmp_path)
+    wide = Scenario("wide", (Sample(300, 200),), vocab=16, tp=2, cp=32, layout="zigzag", seed=1)
+    write_scenario_file(str(tmp_path / "s.json"), wide)
+    proc = cli_in_process("repro", "--target", "builtin", "--scenario-file", "s.json", "--scenario", "wide")
+    assert proc.returncode == 2 and "over 300 (it holds a line of data a rank: tp * cp = 64)" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]

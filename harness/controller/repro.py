@@ -74,7 +74,8 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
             .replace(_STUB, call.strip("\n") + "\n"))
     lines = text.count("\n")
     if lines > MAX_LINES:  # a design limit, not the user's input: say so plainly
-        raise BadInput(f"the script for {sc.name!r} would be {lines} lines, over {MAX_LINES}")
+        raise BadInput(f"the script for {sc.name!r} would be {lines} lines, over {MAX_LINES} "
+                       f"(it holds a line of data a rank: tp * cp = {sc.tp * sc.cp})")
     return text
 
 
