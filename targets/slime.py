@@ -209,11 +209,10 @@ def call_code_under_test(logits, rank):
     """slime's get_log_probs_and_entropy from rank.src, as shardcheck's slime target calls it (its rows)."""
     import importlib.util
     import inspect
-    import types
 
     from megatron.core import parallel_state as mpu
 
-    class Stub(types.ModuleType):  # a module slime imports but this path never uses
+    class Stub(type(sys)):  # a module (types.ModuleType) slime imports but this path never uses
         __path__ = []
         __getattr__ = lambda self, name: self if not name.startswith("__") else object.__getattribute__(self, name)
         __call__ = __or__ = __ror__ = __getitem__ = lambda self, *a, **k: self  # calls, X | None, X[...]

@@ -26,7 +26,8 @@ from shardcheck.targets import resolve
 KINDS = {
     "value": ("chunk_off_by_one", "thd-tp2-chunks", "rank 0 sample 0 response token 0: log-prob"),
     "gradient": ("entropy_no_grad", "thd-tp2-chunks", "gradient"),
-    "input changed in place": ("inplace_temperature", "thd-tp2-chunks", "changed the logits in place in the forward"),
+    "input changed in place": ("inplace_temperature", "thd-tp2-chunks",
+                               "changed the logits in place in the forward (aten.div_.Tensor at "),
     "collective mismatch": ("reduce_op_swap", "thd-tp2-chunks",
                             "collective mismatch in group [0, 1] call 0: rank 0 issued all_reduce(MAX)"),
     "crash": ("entropy_none", "ag-empty-local-slices", "rank 0 raised AttributeError"),
@@ -65,6 +66,10 @@ def test_the_script_finds_each_kind_with_torch_alone(kind, background):
     found, clean = runs
     assert found.returncode == 1, found.stdout + found.stderr
     assert found.stdout.startswith("FOUND") and says in found.stdout, found.stdout
+    if kind == "input changed in place":  # the line that wrote: the mutant's logits.div_(t)
+        line = next(n for n, text in enumerate(Path(repro.__file__).parents[2].joinpath(
+            "targets", "mutants.py").read_text().splitlines(), 1) if "inputs.logits.div_(" in text)
+        assert f"targets/mutants.py:{line})" in found.stdout, found.stdout
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert clean.stdout.startswith("NOT FOUND"), clean.stdout
 

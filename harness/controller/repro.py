@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     body = body[body.index("import argparse"):]  # its own header comment is the writer's business
     text = (_header(spec, sc, failure, src, name) + body.replace(_CASE_LINE, _case_text(case))
             .replace(_STUB, call.strip("\n") + "\n"))
+    text = re.sub(r"\n\n\n+", "\n\n", text)  # one blank line between definitions: more of it on a screen
     lines = text.count("\n")
     if lines > MAX_LINES:  # a design limit, not the user's input: say so plainly
         raise BadInput(f"the script for {sc.name!r} would be {lines} lines, over {MAX_LINES} "

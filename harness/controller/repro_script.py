@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CASE: dict = {}  # written above by shardcheck repro
-TIMEOUT_S = 15.0  # a rank not done by then is hung: its calls are compared with its peers'
-SHOWN = 5  # differences listed per kind
+TIMEOUT_S, SHOWN = 15.0, 5  # a rank not done in TIMEOUT_S is hung; SHOWN: differences listed a kind
 
 
 def call_code_under_test(logits, rank):  # written above by shardcheck repro
@@ -95,7 +95,7 @@ def logged(name, fn, log):
         shapes = [list(t.shape) for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
         op = next((a.name for a in [*args, *kwargs.values()] if isinstance(a, dist.ReduceOp.RedOpType)),
                   "SUM" if name in ("all_reduce", "reduce_scatter_tensor") else "")
-        phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+        phase = "backward" if torch._C._current_autograd_node() is not None else "forward"  # autograd runs it
         print(f"{ranks}\t{name}({op}) {shapes} in {phase}", file=log, flush=True)
         return fn(*args, **kwargs)
     return call
@@ -124,8 +124,9 @@ def run_rank(rank, world, folder, code):
                 tp_group=tp_groups[layout["cp_rank"]], cp_group=cp_groups[layout["tp_rank"]], tp_rank=layout["tp_rank"],
                 tp_size=tp, cp_rank=layout["cp_rank"], cp_size=cp, **code)
             given = [logits.detach().clone()] + [t.clone() for t in info.tokens]
-            log_probs, entropy = call_code_under_test(logits, info)
-            found["changed_in_forward"] = changed([logits, *info.tokens], given)
+            with Writes([logits, *info.tokens]) as writes:
+                log_probs, entropy = call_code_under_test(logits, info)
+            found["changed_in_forward"] = changed([logits, *info.tokens], given, writes)
             given = [logits.detach().clone()] + [t.clone() for t in info.tokens]  # the backward's own changes
             keep = lambda xs: None if xs is None else [x.detach() if isinstance(x, torch.Tensor) else x for x in xs]  # noqa: E731
             found["log_probs"], found["entropy"] = keep(log_probs), keep(entropy)
@@ -138,9 +139,9 @@ def run_rank(rank, world, folder, code):
             # what is malformed is the value check's to report; the rest is differentiated
             fed = [(o, f) for o, f in zip(outs, feed) if getattr(o, "requires_grad", False) and o.shape == f.shape]
             fed_before = [f.clone() for _, f in fed]
-            if fed:
-                torch.autograd.backward([o for o, _ in fed], [f for _, f in fed])
-            found["changed_in_backward"] = changed([logits, *info.tokens] + [f for _, f in fed], given + fed_before)
+            with Writes([logits, *info.tokens] + [f for _, f in fed]) as writes:
+                torch.autograd.backward([o for o, _ in fed], [f for _, f in fed]) if fed else None
+            found["changed_in_backward"] = changed([logits, *info.tokens] + [f for _, f in fed], given + fed_before, writes)
             found["grad"] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001  (the finding is the exception itself)
@@ -150,9 +151,27 @@ def run_rank(rank, world, folder, code):
     torch.save(found, os.path.join(folder, f"result.{rank}.pt"))
 
 
-def changed(now, before):
-    """Which of the caller's tensors (0: the logits, then tokens, then fed gradients) changed."""
-    return [k for k, (a, b) in enumerate(zip(now, before)) if not torch.equal(a.detach(), b)]
+def changed(now, before, writes):
+    """Which of the caller's tensors (0: the logits, then tokens, then fed gradients) changed, and
+    the first op that wrote into each (its memory), with the line that called it."""
+    return {k: writes.sites.get(k, "") for k, (a, b) in enumerate(zip(now, before)) if not torch.equal(a.detach(), b)}
+
+
+class Writes(TorchDispatchMode):
+    """Every op under it: one that writes into a watched tensor's memory is noted with its caller."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.memory, self.sites = [t.untyped_storage().data_ptr() for t in tensors], {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for arg, value in zip(func._schema.arguments, args):
+            at = value.untyped_storage().data_ptr() if arg.is_write and isinstance(value, torch.Tensor) else None
+            if at in self.memory and self.memory.index(at) not in self.sites:
+                line = next((f for f in reversed(traceback.extract_stack())
+                             if "/torch/" not in f.filename and f.filename != __file__), None)
+                self.sites[self.memory.index(at)] = f" ({func} at {line.filename}:{line.lineno})" if line else f" ({func})"
+        return func(*args, **(kwargs or {}))
 
 
 # -- the verdict -------------------------------------------------------------------------------
@@ -187,8 +206,8 @@ def findings(folder, world, hung):
     names = ["the logits", *(f"sample {i}'s tokens" for i in range(len(sc["totals"]))), "a gradient fed to backward"]
     for res in results:
         for when in ("forward", "backward"):
-            for name in dict.fromkeys(names[min(k, len(names) - 1)] for k in res[f"changed_in_{when}"]):
-                out.append(f"rank {res['rank']} changed {name} in place in the {when}")
+            for name, site in {names[min(k, len(names) - 1)]: s for k, s in res[f"changed_in_{when}"].items()}.items():
+                out.append(f"rank {res['rank']} changed {name} in place in the {when}{site}")
     for res in results:
         layout = CASE["ranks"][res["rank"]]
         values, want_grad = truth(sc, layout)
