@@ -168,5 +168,5 @@ def test_a_script_too_long_to_read_is_refused_with_the_count(tmp_path, cli_in_pr
     wide = Scenario("wide", (Sample(300, 200),), vocab=16, tp=2, cp=32, layout="zigzag", seed=1)
     write_scenario_file(str(tmp_path / "s.json"), wide)
     proc = cli_in_process("repro", "--target", "builtin", "--scenario-file", "s.json", "--scenario", "wide")
-    assert proc.returncode == 2 and "over 300 (it holds a line of data a rank: tp * cp = 64)" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "lines; a script stays under 300 (it holds a line of data a rank: tp * cp = 64)" in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
