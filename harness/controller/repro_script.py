@@ -152,8 +152,7 @@ def run_rank(rank, world, folder, code):
 
 
 def changed(now, before, writes):
-    """Which of the caller's tensors (0: the logits, then tokens, then fed gradients) changed, and
-    the first op that wrote into each (its memory), with the line that called it."""
+    """The caller's tensors that changed (0: logits, then tokens, fed gradients): the op that wrote, its line."""
     return {k: writes.sites.get(k, "") for k, (a, b) in enumerate(zip(now, before)) if not torch.equal(a.detach(), b)}
 
 
@@ -166,7 +165,8 @@ class Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for arg, value in zip(func._schema.arguments, args):
-            at = value.untyped_storage().data_ptr() if arg.is_write and isinstance(value, torch.Tensor) else None
+            dense = isinstance(value, torch.Tensor) and value.layout == torch.strided
+            at = value.untyped_storage().data_ptr() if arg.is_write and dense else None
             if at in self.memory and self.memory.index(at) not in self.sites:
                 line = next((f for f in reversed(traceback.extract_stack())
                              if "/torch/" not in f.filename and f.filename != __file__), None)
