@@ -71,6 +71,8 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     }
     body = Path(repro_script.__file__).read_text()
     body = body[body.index("import argparse"):]  # its own header comment is the writer's business
+    if _CASE_LINE not in body or _STUB not in body:  # the slots the writer fills: a script never keeps them
+        raise RuntimeError("repro_script.py lost a slot the writer fills (CASE or call_code_under_test)")
     text = (_header(spec, sc, failure, src, name) + body.replace(_CASE_LINE, _case_text(case))
             .replace(_STUB, call.strip("\n") + "\n"))
     text = re.sub(r"\n\n\n+", "\n\n", text)  # one blank line between definitions: more of it on a screen
@@ -83,11 +85,15 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
 
 def refusal(target: Any, scenario: Scenario) -> str | None:
     """Why no script can be written for ``scenario`` on ``target`` (None: one can)."""
+    return target_refusal(target) or scenario_refusal(scenario)
+
+
+def target_refusal(target: Any) -> str | None:
     if not (hasattr(target, "repro_call") and target.repro_call()):
         return "the target cannot say how it calls its code (it has no repro_call)"
     if data_path(target) is not None or loss_form(target) != "weighted":
         return "the target lays out its own rows or computes its own loss: repro does not write those yet"
-    return scenario_refusal(scenario)
+    return None
 
 
 def scenario_refusal(scenario: Scenario) -> str | None:
@@ -139,9 +145,8 @@ def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, n
     commit = _commit(src)
     return "\n".join([
         '"""shardcheck repro: ' + f"{spec} on scenario {sc.name} ({sc.layout}, tp={sc.tp}, cp={sc.cp}, {sc.dtype})",
-        "A world of tp * cp processes (gloo) with torch alone: the scenario's inputs from its seed, each rank's",
-        "rows as the failing run laid them out, the code under test called as shardcheck's target calls it,",
-        "and plain checks against a float64 computation.",
+        "A world of tp * cp processes (gloo), torch alone: the scenario's inputs from its seed, each rank's rows as the",
+        "failing run laid them out, the code called as shardcheck's target calls it, plain checks against float64.",
         f"Code under test: {src}" + (f" at commit {commit}" if commit else ""),
         f"Expected (shardcheck found): {expected}",
         f"Run: python {name} [--src CHECKOUT] [--variant NAME|none]; exit 1: found (it says what), 0: not.",

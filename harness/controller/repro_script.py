@@ -61,29 +61,29 @@ def rank_rows(sc, layout):
     return rows[:, a:b].contiguous().reshape(layout["shape"])
 
 
-# -- what the code under test must produce: float64, one sample at a time -----------------------
-def truth(sc, layout):
-    """Per sample, float64 log-probs and entropies of the rank's share; d loss / d its rows (every token's loss)."""
-    t = sc["temperature"]
-    values, grad = [], []
-    for i, share in enumerate(layout["share"]):
-        first = sc["prompts"][i] - 1  # the row scoring response token j is first + j
-        rows = logit_rows(sc, i, 0, sc["totals"][i]).double().requires_grad_()
-        logp_all = torch.log_softmax(rows / t, dim=-1)
-        y = tokens(sc, i)
-        j = torch.arange(sc["totals"][i] - sc["prompts"][i])  # every response token: the loss is the world's
-        logp = logp_all[first + j, y[sc["prompts"][i] + j]]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)[first + j]
+def truth(sc):  # what the code under test must produce
+    """Per sample, float64 log-probs and entropies of every response token, and d loss / d its rows."""
+    out = []
+    for i, (total, prompt) in enumerate(zip(sc["totals"], sc["prompts"])):
+        rows = logit_rows(sc, i, 0, total).double().requires_grad_()
+        logp_all = torch.log_softmax(rows / sc["temperature"], dim=-1)
+        j = torch.arange(total - prompt)  # the row scoring response token j is prompt - 1 + j
+        logp = logp_all[prompt - 1 + j, tokens(sc, i)[prompt + j]]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)[prompt - 1 + j]
         w = loss_weights(sc, i).double()
         loss = (w[0] * logp).sum() - sc["entropy_coef"] * (w[1] * entropy).sum() * sc["with_entropy"]
         (g,) = torch.autograd.grad(loss, rows, allow_unused=True) if loss.requires_grad else (None,)
-        values.append((logp.detach()[share], entropy.detach()[share]))
-        grad.append(g if g is not None else torch.zeros_like(rows))
-    zero = torch.zeros(sc["vocab"], dtype=torch.float64)  # padding rows: no gradient
-    rows = [grad[s][p] if s < len(grad) and p < len(grad[s]) else zero
+        out.append((logp.detach(), entropy.detach(), g if g is not None else torch.zeros_like(rows)))
+    return out
+
+
+def rank_grad(sc, layout, samples):
+    """The float64 gradient of the rank's rows (padding rows: none), its vocab columns."""
+    zero = torch.zeros(sc["vocab"], dtype=torch.float64)
+    rows = [samples[s][2][p] if s < len(samples) and p < len(samples[s][2]) else zero
             for s, a, b in layout["pieces"] for p in range(a, b)]
     want = torch.stack(rows).reshape(*layout["shape"][:-1], -1) if rows else torch.zeros(layout["shape"])
-    return values, want[..., layout["columns"][0]:layout["columns"][1]]
+    return want[..., layout["columns"][0]:layout["columns"][1]]
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -208,10 +208,12 @@ def findings(folder, world, hung):
         for when in ("forward", "backward"):
             for name, site in {names[min(k, len(names) - 1)]: s for k, s in res[f"changed_in_{when}"].items()}.items():
                 out.append(f"rank {res['rank']} changed {name} in place in the {when}{site}")
+    samples = truth(sc)  # once: every rank's share and rows are sliced from it
     for res in results:
         layout = CASE["ranks"][res["rank"]]
-        values, want_grad = truth(sc, layout)
-        for i, (want_lp, want_ent) in enumerate(values):
+        want_grad = rank_grad(sc, layout, samples)
+        for i, ((lp, ent, _), share) in enumerate(zip(samples, layout["share"])):
+            want_lp, want_ent = lp[share], ent[share]
             for field, got, want in (("log-prob", res["log_probs"], want_lp), ("entropy", res["entropy"], want_ent)):
                 if got is None or (field == "entropy" and not sc["with_entropy"]):
                     continue

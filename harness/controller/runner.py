@@ -10,6 +10,7 @@ from typing import Protocol
 
 from shardcheck.harness.controller.verdict import FAIL, SKIP, TIMED_OUT, RunInfo, Verdict, merge
 from shardcheck.harness.controller.reach_report import Reach
+from shardcheck.harness.controller.repro import target_refusal
 from shardcheck.harness.controller.worlds import World, world_for
 from shardcheck.harness import wire
 from shardcheck.harness.wire import EXPLAIN, ROOT_CAUSES, Checks
@@ -133,7 +134,7 @@ def run(
     chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     world = chosen.world
     info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace,
-                   repro=repro if getattr(target, "repro_call", lambda: None)() else None)
+                   repro=repro if target_refusal(target) is None else None)
     reach = Reach(str(target.src) if getattr(target, "src", None) is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
