@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--scenario-file", metavar="FILE", help="JSON file holding the scenario")
     x.add_argument("--scenario", required=True, metavar="NAME", help="the failing scenario")
     x.add_argument("--out", default=None, metavar="FILE", help="where the script goes (default: repro-NAME.py)")
+    x.add_argument("--no-inplace", action="store_true",
+                   help="the script does not check for inputs changed in place (as run --no-inplace; a report's "
+                        "run with it: the same)")
     h = sub.add_parser("report", help="render a saved JSON report as the HTML page --html-report writes")
     h.add_argument("json", metavar="JSON", help="a JSON report (shardcheck run --json-report)")
     h.add_argument("--html", required=True, metavar="FILE", help="where the page is written")
@@ -581,7 +584,6 @@ def _repro_command(args: argparse.Namespace) -> str:
     else:
         where = ["--target", args.target, *(["--scenario-file", args.scenario_file] if args.scenario_file
                                             else ["--suite", args.suite or "smoke"]), *_target_args(args)]
-        where = [w for w in where if w != "--no-inplace"]
     return "shardcheck repro " + " ".join(map(shlex.quote, where)).replace("{", "{{").replace("}", "}}") + \
         " --scenario {scenario}"
 
@@ -593,15 +595,16 @@ def _repro(args: argparse.Namespace) -> int:
     if args.report:
         if args.target or args.suite or args.scenario_file:
             raise BadInput("--report names the target and scenario; give no --target, --suite or --scenario-file")
-        spec, scenario, failure = repro.from_report(args.report, args.scenario)
+        spec, scenario, failure, inplace = repro.from_report(args.report, args.scenario)
     else:
         if not args.target:
             raise BadInput("give --report JSON, or --target with the scenario's --suite or --scenario-file")
         args.scenario = [args.scenario]
-        spec, (scenario,), failure = args.target, _select(args), None
+        spec, (scenario,), failure, inplace = args.target, _select(args), None, True
     _use_target_config(args)
     out = args.out or f"repro-{''.join(c if c.isalnum() or c in '-_' else '_' for c in scenario.name)}.py"
-    repro.write(out, repro.script_text(spec, resolve(spec), scenario, failure, os.path.basename(out)))
+    inplace = inplace and not args.no_inplace
+    repro.write(out, repro.script_text(spec, resolve(spec), scenario, failure, os.path.basename(out), inplace))
     print(f"wrote {out}: python {out}  (exit 1: found, 0: not found)")
     return EXIT_OK
 

@@ -285,6 +285,11 @@ class NemoRLTarget(CheckoutTarget):
         self._sampling_mod: Any = None
         self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
 
+    def repro_call(self) -> str | None:
+        """How a repro script calls NeMo-RL: the default variant on shardcheck's rows (a script that
+        runs NeMo-RL's packing or loss wrappers is not written yet)."""
+        return REPRO_CALL if self.variant is None and self.data_path is None else None
+
     def _capabilities(self) -> Capabilities:
         era = self.era
         layouts = {"bshd"}
@@ -553,6 +558,37 @@ class NemoRLTarget(CheckoutTarget):
         asked = scenario_sampling(inputs)
         top_k, top_p = asked if asked is not None else (None, 1.0)
         return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
+
+
+# How a `shardcheck repro` script calls NeMo-RL (see harness/controller/repro.py): as NemoRLTarget
+# does on the harness's rows at cp 1, from the checkout (its package __init__.py files not run).
+REPRO_CALL = '''
+def call_code_under_test(logits, rank):
+    """NeMo-RL's log-prob functions and ChunkedDistributedEntropy from rank.src, as shardcheck's nemo_rl target calls them."""
+    import importlib, inspect  # noqa: E401
+    for name in ("nemo_rl", "nemo_rl.distributed", "nemo_rl.algorithms"):  # empty packages: __init__.py not run
+        sys.modules.setdefault(name, type(sys)(name)).__path__ = [os.path.join(rank.src, *name.split("."))]
+    mod = importlib.import_module("nemo_rl.distributed.model_utils")
+    if rank.temperature != 1.0:  # NeMo-RL's caller scales the model output first (in place there)
+        logits = logits / rank.temperature
+    chunk, v = (rank.chunk_size if rank.chunk_size > 0 else None), logits.shape[-1]
+    bshd = rank.layout == "bshd"
+    fn = getattr(mod, "from_parallel_logits_to_logprobs" + ("" if bshd else "_packed_sequences"))
+    kwargs = {"inference_only": False, **({"chunk_size": chunk} if "chunk_size" in inspect.signature(fn).parameters else {})}
+    if bshd:  # input_ids [B, S], right-padded
+        ids = torch.stack([torch.nn.functional.pad(t, (0, logits.shape[1] - len(t))) for t in rank.tokens])
+        out = fn(logits, ids, rank.tp_rank * v, (rank.tp_rank + 1) * v, rank.tp_group, **kwargs)
+    else:  # the packed stream, sequences back to back (cp 1: no padding), rolled inside NeMo-RL
+        bounds = torch.tensor([0] + [sum(rank.total_lengths[:i + 1]) for i in range(len(rank.tokens))], dtype=torch.int32)
+        out = fn(logits, torch.cat(rank.tokens).unsqueeze(0), bounds, max(rank.total_lengths), rank.tp_rank * v,
+                 (rank.tp_rank + 1) * v, rank.tp_group, **kwargs)
+    scored = [[t - r - 1 + j for j in share] for t, r, share in zip(rank.total_lengths, rank.response_lengths, rank.share)]
+    log_probs = [out[i, positions] for i, positions in enumerate(scored)]  # out[i, p] scores token p + 1
+    if not rank.with_entropy:
+        return log_probs, None
+    neg = mod.ChunkedDistributedEntropy.apply(logits, chunk or max(1, min(logits.shape[1], 1024)), rank.tp_group, False)
+    return log_probs, [neg.reshape(-1)[[rank.rows.index((i, p)) for p in ps]] for i, ps in enumerate(scored)]
+'''
 
 
 def _ranks_on_cuda() -> bool:

@@ -207,9 +207,7 @@ class SlimeTarget(CheckoutTarget):
 REPRO_CALL = '''
 def call_code_under_test(logits, rank):
     """slime's get_log_probs_and_entropy from rank.src, as shardcheck's slime target calls it (its rows)."""
-    import importlib.util
-    import inspect
-
+    import importlib.util, inspect  # noqa: E401
     from megatron.core import parallel_state as mpu
 
     class Stub(type(sys)):  # a module (types.ModuleType) slime imports but this path never uses

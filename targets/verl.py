@@ -327,6 +327,13 @@ class VerlTarget(CheckoutTarget):
             return tp.vocab_parallel_entropy_with_chunking(logits, chunk_size=verl_chunk(chunk_size))
         return tp.vocab_parallel_entropy(logits)
 
+    def repro_call(self) -> str | None:
+        """How a repro script calls verl: the functions, or the legacy actor's closure, on shardcheck's
+        rows (the engine's call site, verl's packing and entropy chunking are not written yet)."""
+        plain = type(self) is VerlTarget
+        legacy = isinstance(self, VerlActorTarget) and self.kind == "legacy" and self.data_path is None
+        return REPRO_CALL if (plain or legacy) and not self.entropy_chunking else None
+
     def compute(self, inputs: RankInputs) -> RankOutputs:
         tp = self.modules()[TP_MODULE]
         logits = inputs.logits
@@ -680,6 +687,45 @@ class VerlActorTarget(VerlTarget):
             raise RuntimeError(f"shardcheck's verl adapter: verl's packing puts this scenario's tokens on other rows "
                                f"than the harness ({tuple(got.shape)} vs {tuple(want.shape)} rows); its skip rule "
                                "(packing_mismatch) is wrong here")
+
+
+# How a `shardcheck repro` script calls verl (see harness/controller/repro.py): as VerlTarget and
+# VerlActorTarget (legacy call site) do on the harness's rows, from the checkout.
+REPRO_CALL = '''
+def call_code_under_test(logits, rank):
+    """verl's functions from rank.src as shardcheck's verl target calls them; variant actor: the legacy closure."""
+    import ast, importlib, inspect, logging  # noqa: E401
+    from megatron.core import parallel_state as mpu
+
+    for name in ("verl", "verl.utils", "verl.utils.megatron"):  # empty packages: verl/__init__.py imports ray
+        sys.modules.setdefault(name, type(sys)(name)).__path__ = [os.path.join(rank.src, *name.split("."))]
+    torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly, as shardcheck runs them
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
+    tp = importlib.import_module("verl.utils.megatron.tensor_parallel")
+    n, shape = len(rank.tokens), logits.shape[:2]
+    scores = [s < n and rank.total_lengths[s] - rank.response_lengths[s] - 1 <= p < rank.total_lengths[s] - 1
+              for s, p in rank.rows]  # the rows that score a response token: label_mask
+    label = torch.tensor([int(rank.tokens[s][p + 1]) if ok else 0 for (s, p), ok in zip(rank.rows, scores)]).view(shape)
+    if rank.variant == "actor":  # with the names forward_backward_batch binds around it
+        path = os.path.join(rank.src, "verl/workers/actor/megatron_actor.py")
+        fn = next(f for f in ast.walk(ast.parse(open(path).read(), path))
+                  if isinstance(f, ast.FunctionDef) and f.name == "logits_processor")
+        fn.decorator_list = []
+        logging.Logger.warning_once = getattr(logging.Logger, "warning_once", logging.Logger.warning)  # transformers'
+        names = {**vars(tp), "torch": torch, "logger": logging.getLogger(path), "calculate_entropy": rank.with_entropy,
+                 "temperature": rank.temperature}
+        exec(compile(ast.Module([fn], []), path, "exec"), names)
+        given, fn = {"label": label, "label_mask": torch.tensor(scores).view(shape)}, names["logits_processor"]
+        out = fn(logits, **{k: given[k] for k in list(inspect.signature(fn).parameters)[1:]})
+        log_probs, entropy = out["log_probs"], out.get("entropy")
+    else:  # the caller divides by the temperature; the log-prob kernel overwrites its input: a clone
+        logits = logits / rank.temperature if rank.temperature != 1.0 else logits
+        entropy = tp.vocab_parallel_entropy(logits) if rank.with_entropy else None
+        log_probs = tp.vocab_parallel_log_probs_from_logits(logits.clone() if rank.with_entropy else logits, label)
+    held = [[r for r, (s, _) in enumerate(rank.rows) if s == i and scores[r]] for i in range(n)]  # in position order
+    return [log_probs.reshape(-1)[r] for r in held], None if entropy is None else [entropy.reshape(-1)[r] for r in held]
+'''
 
 
 def _build(variant: str | None, config: TargetConfig) -> VerlTarget:

@@ -1,16 +1,20 @@
 """The nemo_rl target. Checking real NeMo-RL needs a checkout (never pip install nemo-rl: it pulls
 ray, vLLM and more): set SHARDCHECK_NEMO_RL_SRC to a clone of NVIDIA-NeMo/RL. Era detection,
 capabilities, the import's hygiene and bad input are checked on small fake checkouts without it;
-the historical fix needs SHARDCHECK_NEMO_RL_REPO (a clone with its history)."""
+the historical fix needs SHARDCHECK_NEMO_RL_REPO (a clone with its history).
+
+Over 20 s: with a checkout (about 110 s here), every variant runs suites on real worlds and the
+historical fixes run shardcheck and a repro script at two commits each (without one: 1 s)."""
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import export_commit, run_cli
+from conftest import export_commit, run_cli, torch_only_python
 from shardcheck.errors import BadInput
 from shardcheck.scenarios import suites
 from shardcheck.targets import nemo_rl
@@ -379,6 +383,36 @@ def test_the_half_precision_gradient_fixed_at_df31c1bf4(tmp_path):
                               export_commit(os.environ[REPO_ENV], FIX, tmp_path / "fix", "nemo_rl"),
                               *scenario)
     assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
+
+
+@needs_history
+def test_a_repro_script_shows_the_half_precision_gradient_with_torch_and_nemo_rl_alone(tmp_path):
+    """`shardcheck repro` at df31c1bf4's parent: the script, run where shardcheck is not installed,
+    finds the gradient off in bfloat16; pointed at the fix it finds nothing."""
+    repo = os.environ[REPO_ENV]
+    script = tmp_path / "repro.py"
+    made = run_cli("repro", "--target", "nemo_rl", "--target-src", export_commit(repo, PARENT, tmp_path / "p", "nemo_rl"),
+                   "--suite", "regressions", "--scenario", "thd-tp2-bf16-wide", "--out", str(script))
+    assert made.returncode == 0, made.stderr
+    assert script.read_text().count("\n") < 300
+    python = torch_only_python(tmp_path)
+    run = lambda *extra: subprocess.run([python, str(script), *extra], capture_output=True, text=True,  # noqa: E731
+                                        timeout=180, cwd=tmp_path)
+    parent, fix = run(), run("--src", export_commit(repo, FIX, tmp_path / "f", "nemo_rl"))
+    assert parent.returncode == 1 and "gradient -0.013305664, want -0.013630881" in parent.stdout, parent.stdout
+    assert fix.returncode == 0 and fix.stdout.startswith("NOT FOUND"), fix.stdout + fix.stderr
+
+
+@needs_nemo_rl
+def test_repro_refuses_what_its_script_cannot_check(tmp_path):
+    """NeMo-RL gathers its log-probs over CP (its declared definition), and its other variants run
+    its loss wrappers: repro says so in one line instead of writing a script that would misjudge."""
+    for spec, scenario, said in (("nemo_rl", "zigzag-tp2cp2-basic", "under CP the target returns other tokens"),
+                                 ("nemo_rl:per_sequence", "thd-tp2cp1-basic", "cannot say how it calls")):
+        made = run_cli("repro", "--target", spec, "--target-opt", "layout=shardcheck", "--target-opt", "cp_on_cpu=true",
+                       "--scenario", scenario, "--out", str(tmp_path / "r.py"))
+        assert made.returncode == 2 and said in made.stderr and made.stderr.count("\n") == 1, made.stderr
+        assert not (tmp_path / "r.py").exists()
 
 
 # ----------------------------------------------------------------------------------------------

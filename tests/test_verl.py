@@ -1,6 +1,9 @@
 """The verl target. Checking real verl needs a checkout (never pip install verl: it pulls ray):
 set SHARDCHECK_VERL_SRC to a clone of verl-project/verl. Era detection, the packing rule, the
-import machinery and bad input are checked without it, on small fake checkouts."""
+import machinery and bad input are checked without it, on small fake checkouts.
+
+Over 20 s: with a checkout holding verl's history, the historical fixes each run shardcheck twice,
+and the repro test three scripts of a four-rank world in a fresh virtualenv (without one: 2 s)."""
 
 import json
 import logging
@@ -12,7 +15,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from conftest import export_commit, run_cli, run_on_world
+from conftest import export_commit, run_cli, run_on_world, torch_only_python
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Sample, Scenario
 from shardcheck.scenarios.suites import get_suite
@@ -573,3 +576,34 @@ def test_a_sequence_shorter_than_the_cp_alignment_breaks_the_legacy_packing_befo
     assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-2000:]
     for v in json.loads(after_report.read_text())["scenarios"]:
         assert v["verdict"] == "pass" and v["layout_built_by"] == "verl/models/mcore/util.py:preprocess_packed_seqs"
+
+
+PR_2484 = "73fc53f60"  # the legacy actor's log-probs on a clone: megatron's cross entropy wrote into the logits
+
+
+@pytest.mark.skipif(not _repo_with(PR_2484), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
+                    f"holding {PR_2484} (a clone of verl-project/verl with its history)")
+def test_a_repro_script_shows_the_legacy_actor_crash_with_torch_and_verl_alone(tmp_path):
+    """`shardcheck repro --no-inplace` at #2484's parent (the legacy actor's closure on shardcheck's
+    rows): the script, run where shardcheck is not installed, finds the backward's "modified by an
+    inplace operation" in verl's entropy; pointed at the fix it finds nothing. With the in-place
+    check on, the fix shows verl's own entropy backward changing the logits (since #1007)."""
+    repo = _repo_with(PR_2484)
+    script, checked = tmp_path / "repro.py", tmp_path / "checked.py"
+    parent = export_commit(repo, f"{PR_2484}~1", tmp_path / "p", "verl")
+    common = ["--target", "verl:actor", "--target-src", parent, "--target-opt", "call_site=legacy", "--target-opt",
+              "layout=shardcheck", "--suite", "regressions", "--scenario", "zigzag-tp2cp2-empty-share"]
+    for out, extra in ((script, ["--no-inplace"]), (checked, [])):
+        made = run_cli("repro", *common, *extra, "--out", str(out))
+        assert made.returncode == 0 and out.read_text().count("\n") < 300, made.stderr
+    python = torch_only_python(tmp_path)
+    run = lambda path, *extra: subprocess.run([python, str(path), *extra], capture_output=True, text=True,  # noqa: E731
+                                              timeout=180, cwd=tmp_path)
+    fix = export_commit(repo, PR_2484, tmp_path / "f", "verl")
+    before, after, in_place = run(script), run(script, "--src", fix), run(checked, "--src", fix)
+    assert before.returncode == 1 and "ranks 0, 1, 2, 3 raised RuntimeError" in before.stdout, before.stdout
+    assert "modified by an inplace operation" in before.stdout and "tensor_parallel.py:131" in before.stdout
+    assert after.returncode == 0 and "not checked (--no-inplace)" in after.stdout, after.stdout + after.stderr
+    assert in_place.returncode == 1 and "changed the logits in place in the backward (aten.sub_" in in_place.stdout
+    assert "tensor_parallel.py:133" in in_place.stdout, in_place.stdout
+

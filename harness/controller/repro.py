@@ -23,7 +23,7 @@ from shardcheck.harness.controller import repro_script
 from shardcheck.harness.rank.compare import TOLERANCES
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios.scenario import Scenario, data_id
-from shardcheck.targets.base import data_path, loss_form
+from shardcheck.targets.base import data_path, definitions, knob_skip_reason, loss_form
 
 MAX_LINES = 300  # the issue's promise: a reader takes it in at one sitting
 _STUB = '''def call_code_under_test(logits, rank):  # written above by shardcheck repro
@@ -32,8 +32,9 @@ _STUB = '''def call_code_under_test(logits, rank):  # written above by shardchec
 _CASE_LINE = "CASE: dict = {}  # written above by shardcheck repro\n"
 
 
-def from_report(path: str, name: str) -> tuple[str, Scenario, dict[str, Any]]:
-    """The target spec, the scenario and its first failure, from a JSON report (run --json-report)."""
+def from_report(path: str, name: str) -> tuple[str, Scenario, dict[str, Any], bool]:
+    """The target spec, the scenario, its first failure and whether the run checked for inputs
+    changed in place, from a JSON report (run --json-report)."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -44,12 +45,14 @@ def from_report(path: str, name: str) -> tuple[str, Scenario, dict[str, Any]]:
     failures = entries[0].get("failures") or []
     if not failures:
         raise BadInput(f"scenario {name!r} did not fail in {path} ({entries[0].get('verdict')}): nothing to reproduce")
-    return doc.get("target_spec", ""), Scenario.from_dict(entries[0]["scenario"]), failures[0]
+    return doc.get("target_spec", ""), Scenario.from_dict(entries[0]["scenario"]), failures[0], \
+        doc.get("inplace", True) is not False
 
 
 def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, Any] | None,
-                name: str = "repro.py") -> str:
-    """The script for ``scenario`` on ``target`` (named by ``spec``), expecting ``failure``."""
+                name: str = "repro.py", inplace: bool = True) -> str:
+    """The script for ``scenario`` on ``target`` (named by ``spec``), expecting ``failure``;
+    ``inplace``: whether it checks for inputs changed in place (run --no-inplace: not)."""
     refused = refusal(target, scenario)
     if refused:
         raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
@@ -65,15 +68,17 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
             "with_entropy": sc.with_entropy, "chunk_size": sc.log_probs_chunk_size,
             "totals": [s.total for s in sc.samples], "prompts": [s.prompt for s in sc.samples],
             "data_ids": [data_id(sc, i) for i in range(len(sc.samples))],
+            "entropy_sign": definitions(target).entropy_sign,  # -1: the target's entropy is sum p log p
         },
         "ranks": [_rank(sc, r) for r in range(sc.tp * sc.cp)],
+        "inplace": inplace,
         "tolerances": {d: {k: [t.atol, t.rtol] for k, t in tols.items()} for d, tols in TOLERANCES.items()},
     }
     body = Path(repro_script.__file__).read_text()
     body = body[body.index("import argparse"):]  # its own header comment is the writer's business
     if _CASE_LINE not in body or _STUB not in body:  # the slots the writer fills: a script never keeps them
         raise RuntimeError("repro_script.py lost a slot the writer fills (CASE or call_code_under_test)")
-    text = (_header(spec, sc, failure, src, name) + body.replace(_CASE_LINE, _case_text(case))
+    text = (_header(spec, sc, failure, src, name, inplace) + body.replace(_CASE_LINE, _case_text(case))
             .replace(_STUB, call.strip("\n") + "\n"))
     text = re.sub(r"\n\n\n+", "\n\n", text)  # one blank line between definitions: more of it on a screen
     lines = text.count("\n")
@@ -85,7 +90,17 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
 
 def refusal(target: Any, scenario: Scenario) -> str | None:
     """Why no script can be written for ``scenario`` on ``target`` (None: one can)."""
-    return target_refusal(target) or scenario_refusal(scenario)
+    refused = target_refusal(target) or scenario_refusal(scenario)
+    if refused:
+        return refused
+    skipped = target.capabilities.skip_reason(scenario) or knob_skip_reason(target, scenario)
+    if skipped:
+        return f"the target skips it ({skipped})"
+    defined = definitions(target)
+    if scenario.cp > 1 and {defined.loss_over, defined.entropy_loss_over} != {"share"}:
+        return ("under CP the target returns other tokens than each rank's share (its declared definitions: "
+                f"{defined.loss_source or defined.entropy_source}): repro does not write those yet")
+    return None
 
 
 def target_refusal(target: Any) -> str | None:
@@ -136,7 +151,7 @@ def _py(text: str) -> str:
     return text.replace("true", "True").replace("false", "False").replace("null", "None")
 
 
-def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, name: str) -> str:
+def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, name: str, inplace: bool) -> str:
     if failure:
         where = f" in the {failure['phase']}" if failure.get("phase") else ""
         expected = f"{failure['kind']}{where}: {' '.join(str(failure.get('message', '')).split())[:300]}"
@@ -144,13 +159,14 @@ def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, n
         expected = "not given (written from a scenario, not a report): the script says what it finds"
     commit = _commit(src)
     return "\n".join([
-        '"""shardcheck repro: ' + f"{spec} on scenario {sc.name} ({sc.layout}, tp={sc.tp}, cp={sc.cp}, {sc.dtype})",
+        f'"""shardcheck repro ({datetime.date.today().isoformat()}): {spec} on scenario {sc.name} ({sc.layout}, '
+        f"tp={sc.tp}, cp={sc.cp}, {sc.dtype})",
         "A world of tp * cp processes (gloo), torch alone: the scenario's inputs from its seed, each rank's rows as the",
         "failing run laid them out, the code called as shardcheck's target calls it, plain checks against float64.",
         f"Code under test: {src}" + (f" at commit {commit}" if commit else ""),
         f"Expected (shardcheck found): {expected}",
-        f"Run: python {name} [--src CHECKOUT] [--variant NAME|none]; exit 1: found (it says what), 0: not.",
-        f"Written {datetime.date.today().isoformat()} by `shardcheck repro`.",
+        f"Run: python {name} [--src CHECKOUT] [--variant NAME|none]" + (" [--no-inplace]" if inplace else "")
+        + "; exit 1: found (it says what), 0: not." + ("" if inplace else " Inputs changed in place: not checked."),
         '"""',
         "",
     ]) + "\n"

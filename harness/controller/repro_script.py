@@ -1,16 +1,7 @@
 # The body of every script `shardcheck repro` writes: it needs torch (and what the code under
 # test imports), nothing of shardcheck's harness. The writer puts a header, CASE and the target's
 # call_code_under_test above it; this file is kept valid Python so that it is linted and tested.
-import argparse
-import datetime
-import hashlib
-import json
-import multiprocessing
-import os
-import sys
-import tempfile
-import time
-import traceback
+import argparse, datetime, hashlib, json, multiprocessing, os, sys, tempfile, time, traceback  # noqa: E401
 from types import SimpleNamespace
 
 import torch
@@ -69,7 +60,7 @@ def truth(sc):  # what the code under test must produce
         logp_all = torch.log_softmax(rows / sc["temperature"], dim=-1)
         j = torch.arange(total - prompt)  # the row scoring response token j is prompt - 1 + j
         logp = logp_all[prompt - 1 + j, tokens(sc, i)[prompt + j]]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)[prompt - 1 + j]
+        entropy = -sc["entropy_sign"] * (logp_all.exp() * logp_all).sum(-1)[prompt - 1 + j]  # sign: the target's definition
         w = loss_weights(sc, i).double()
         loss = (w[0] * logp).sum() - sc["entropy_coef"] * (w[1] * entropy).sum() * sc["with_entropy"]
         (g,) = torch.autograd.grad(loss, rows, allow_unused=True) if loss.requires_grad else (None,)
@@ -122,7 +113,8 @@ def run_rank(rank, world, folder, code):
                 with_entropy=sc["with_entropy"], entropy_coef=sc["entropy_coef"], temperature=sc["temperature"],
                 chunk_size=sc["chunk_size"], max_seq_lens=[layout["shape"][1]] * len(samples) if sc["layout"] == "bshd" else None,
                 tp_group=tp_groups[layout["cp_rank"]], cp_group=cp_groups[layout["tp_rank"]], tp_rank=layout["tp_rank"],
-                tp_size=tp, cp_rank=layout["cp_rank"], cp_size=cp, **code)
+                tp_size=tp, cp_rank=layout["cp_rank"], cp_size=cp, share=layout["share"],
+                rows=[(s, p) for s, a, b in layout["pieces"] for p in range(a, b)], **code)  # (sample, position) a row
             given = [logits.detach().clone()] + [t.clone() for t in info.tokens]
             with Writes([logits, *info.tokens]) as writes:
                 log_probs, entropy = call_code_under_test(logits, info)
@@ -175,15 +167,18 @@ class Writes(TorchDispatchMode):
 
 
 # -- the verdict -------------------------------------------------------------------------------
-def findings(folder, world, hung):
+def findings(folder, world, hung, inplace):
     sc = CASE["scenario"]
     tol = lambda kind: CASE["tolerances"][sc["dtype"]][kind]  # noqa: E731  (atol, rtol)
     close = lambda got, want, t: (got.double() - want).abs() <= t[0] + t[1] * want.abs()  # noqa: E731  NaN: not
     results = [torch.load(os.path.join(folder, f"result.{r}.pt"), weights_only=False)
                for r in range(world) if os.path.exists(os.path.join(folder, f"result.{r}.pt"))]
-    crashes = {res["rank"]: f"rank {res['rank']} raised {res['crash']}" for res in results if "crash" in res}
+    crashes = {}  # what was raised -> the ranks that raised it
+    for res in (res for res in results if "crash" in res):
+        crashes.setdefault(res["crash"], []).append(res["rank"])
+    said = lambda c: f"rank{'s' * (len(crashes[c]) > 1)} {', '.join(map(str, crashes[c]))} raised {c}"  # noqa: E731
     # a rank that raised makes no more calls; a peer gone makes the backend raise: those follow from it
-    out = [c for c in crashes.values() if not any(m in c for m in ("Connection closed", "Connection reset", "Timed out"))]
+    out = [said(c) for c in crashes if not any(m in c for m in ("Connection closed", "Connection reset", "Timed out"))]
     if out:
         return out
     calls: dict[str, dict[int, list[str]]] = {}  # group -> rank -> its calls there, in order
@@ -200,11 +195,11 @@ def findings(folder, world, hung):
                 return [f"collective mismatch in group {members} call {n}: " + "; ".join(
                     f"rank {r} issued {c}" if c != "no call" else f"rank {r} made no call" for r, c in zip(members, said))]
     if crashes:
-        return list(crashes.values())
+        return [said(c) for c in crashes]
     if hung:
         return [f"ranks {hung} were still running after {TIMEOUT_S:.0f} s with no collective mismatch logged"]
     names = ["the logits", *(f"sample {i}'s tokens" for i in range(len(sc["totals"]))), "a gradient fed to backward"]
-    for res in results:
+    for res in results if inplace else []:  # --no-inplace (or the run's): not checked
         for when in ("forward", "backward"):
             for name, site in {names[min(k, len(names) - 1)]: s for k, s in res[f"changed_in_{when}"].items()}.items():
                 out.append(f"rank {res['rank']} changed {name} in place in the {when}{site}")
@@ -233,7 +228,7 @@ def findings(folder, world, hung):
     return out
 
 
-def main(code):
+def main(code, inplace):
     world = CASE["scenario"]["tp"] * CASE["scenario"]["cp"]
     with tempfile.TemporaryDirectory(prefix="repro-") as folder:
         ctx = multiprocessing.get_context("fork")  # torch is loaded once; nothing of it has run yet
@@ -247,13 +242,14 @@ def main(code):
         for p in procs:
             p.kill() if p.is_alive() else None
             p.join()
-        found = findings(folder, world, hung)
+        found = findings(folder, world, hung, inplace)
     what = f"{CASE['target'].split(':')[0]}{':' + code['variant'] if code['variant'] else ''} (from {code['src']}) on scenario {CASE['scenario']['name']}"
     if found:
         print(f"FOUND in {what}: " + "; ".join(found[:SHOWN * 2]) + ("" if len(found) <= SHOWN * 2 else f"; and {len(found) - SHOWN * 2} more"))
         return 1
-    print(f"NOT FOUND: {what} matched the float64 truth in every value and gradient, left its inputs unchanged "
-          f"and issued the same collectives on every rank of each group.")
+    print(f"NOT FOUND: {what} matched the float64 truth in every value and gradient and issued the same collectives "
+          "on every rank of each group; " + ("it left its inputs unchanged." if inplace else "inputs changed in place: "
+                                             "not checked (--no-inplace)."))
     return 0
 
 
@@ -261,5 +257,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=(__doc__ or "repro").splitlines()[0])
     ap.add_argument("--src", default=CASE["code"]["src"], help="the checkout of the code under test")
     ap.add_argument("--variant", default=CASE["code"]["variant"], help="the target's variant ('none': the plain one)")
+    ap.add_argument("--no-inplace", action="store_true", help="do not check for inputs changed in place")
     args = ap.parse_args()
-    sys.exit(main({"src": args.src, "variant": None if args.variant in (None, "none") else args.variant}))
+    sys.exit(main({"src": args.src, "variant": None if args.variant in (None, "none") else args.variant},
+                  CASE["inplace"] and not args.no_inplace))
