@@ -375,7 +375,7 @@ def call_code_under_test(logits, rank):
     from shardcheck.targets.base import RankInputs
     from shardcheck.targets.mutants import builtin
 
-    given = {k: v for k, v in vars(rank).items() if k not in ("src", "variant", "share", "rows")}
+    given = {k: v for k, v in vars(rank).items() if k in RankInputs.__dataclass_fields__}
     out = builtin(rank.variant).compute(RankInputs(logits=logits, **given))
     return out.log_probs, out.entropy
 '''

@@ -169,9 +169,10 @@ class SlimeTarget(CheckoutTarget):
         )
 
     def repro_call(self) -> str | None:
-        """How a repro script calls slime: the plain target on shardcheck's rows only (a script
-        that runs slime's get_batch, or its policy loss, is not written yet)."""
-        return REPRO_CALL if type(self) is SlimeTarget and self.data_path is None else None
+        """How a repro script calls slime: get_log_probs_and_entropy on the rows slime's get_batch
+        lays out (where it lays them out in the run) or on shardcheck's (a script that runs its
+        policy loss or loss function is not written yet)."""
+        return REPRO_CALL if type(self) is SlimeTarget else None
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
         fn = self._function()
@@ -206,7 +207,7 @@ class SlimeTarget(CheckoutTarget):
 # does with the harness's rows (layout=shardcheck), from the checkout, megatron-core's groups built.
 REPRO_CALL = '''
 def call_code_under_test(logits, rank):
-    """slime's get_log_probs_and_entropy from rank.src, as shardcheck's slime target calls it (its rows)."""
+    """slime's get_log_probs_and_entropy from rank.src, as shardcheck's slime target calls it."""
     import importlib.util, inspect  # noqa: E401
     from megatron.core import parallel_state as mpu
 
@@ -216,25 +217,31 @@ def call_code_under_test(logits, rank):
         __call__ = __or__ = __ror__ = __getitem__ = lambda self, *a, **k: self  # calls, X | None, X[...]
         __mro_entries__ = lambda self, bases: (object,)
 
-    if rank.src not in sys.path:
-        sys.path.insert(0, rank.src)
-        torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly, as shardcheck runs them
-        for name in STUBBABLE:
-            if importlib.util.find_spec(name) is None:
-                sys.modules[name] = Stub(name)
-    if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
-    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+    sys.path.insert(0, rank.src)  # each rank's process calls this once
+    torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly, as shardcheck runs them
+    sys.modules.update({name: Stub(name) for name in STUBBABLE if importlib.util.find_spec(name) is None})
+    mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
+    from slime.backends.megatron_utils import data, loss
 
-    args = SimpleNamespace(rollout_temperature=rank.temperature, log_probs_chunk_size=rank.chunk_size,
-                           allgather_cp=rank.layout == "allgather", entropy_coef=rank.entropy_coef,
-                           qkv_format="bshd" if rank.layout == "bshd" else "thd", rollout_top_p=1.0,
-                           context_parallel_size=rank.cp_size, tensor_model_parallel_size=rank.tp_size)
-    kwargs = {"args": args, "unconcat_tokens": rank.tokens, "total_lengths": rank.total_lengths,
-              "response_lengths": rank.response_lengths, "with_entropy": rank.with_entropy}
-    if "max_seq_lens" in inspect.signature(get_log_probs_and_entropy).parameters:
+    args = SimpleNamespace(rollout_temperature=rank.temperature, log_probs_chunk_size=rank.chunk_size, rollout_top_p=1.0,
+                           allgather_cp=rank.layout == "allgather", entropy_coef=rank.entropy_coef, tensor_model_parallel_size=rank.tp_size,
+                           qkv_format="bshd" if rank.layout == "bshd" else "thd", context_parallel_size=rank.cp_size)
+    batch = {"unconcat_tokens": rank.tokens, "total_lengths": rank.total_lengths, "response_lengths": rank.response_lengths}
+    if rank.data_path:  # slime's get_batch packs, pads and splits the rollout, as its training step calls it
+        if not torch.cuda.is_available():  # where get_batch places cu_seqlens (later: slime's accelerator API): the CPU
+            acc = getattr(data, "accelerator", SimpleNamespace())
+            torch.cuda.current_device, acc.current_device, acc.device = (lambda: "cpu",) * 2 + (lambda *a: torch.device("cpu"),)
+        rollout = {"tokens": rank.tokens, "total_lengths": rank.total_lengths, "response_lengths": rank.response_lengths,
+                   "loss_masks": [torch.ones(r, dtype=torch.int32) for r in rank.response_lengths]}
+        knobs = {**rank.knobs, "allgather_cp": rank.layout == "allgather", "qkv_format": "thd"}
+        batch = data.get_batch(SimpleNamespace(get_next=lambda keys: {k: list(rollout[k]) for k in keys}), list(rollout),
+                               **{k: v for k, v in knobs.items() if k in inspect.signature(data.get_batch).parameters})
+        held = [int(rank.tokens[s][p]) if s < len(rank.tokens) else 0 for s, p in rank.rows]
+        assert batch["tokens"].reshape(-1).tolist() == held, "get_batch laid the tokens out otherwise than the run did"
+    kwargs = {"args": args, "with_entropy": rank.with_entropy, **{k: batch[k] for k in ("unconcat_tokens", "total_lengths", "response_lengths")}}
+    if "max_seq_lens" in inspect.signature(loss.get_log_probs_and_entropy).parameters:
         kwargs["max_seq_lens"] = rank.max_seq_lens
-    result = get_log_probs_and_entropy(logits, **kwargs)
+    result = loss.get_log_probs_and_entropy(logits, **kwargs)
     result = result[-1] if isinstance(result, tuple) else result  # (empty, dict) in later commits
     return list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None
 '''.replace("STUBBABLE", repr(STUBBABLE))

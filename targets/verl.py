@@ -700,8 +700,7 @@ def call_code_under_test(logits, rank):
     for name in ("verl", "verl.utils", "verl.utils.megatron"):  # empty packages: verl/__init__.py imports ray
         sys.modules.setdefault(name, type(sys)(name)).__path__ = [os.path.join(rank.src, *name.split("."))]
     torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly, as shardcheck runs them
-    if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
+    mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)  # each rank's process calls this once
     tp = importlib.import_module("verl.utils.megatron.tensor_parallel")
     n, shape = len(rank.tokens), logits.shape[:2]
     scores = [s < n and rank.total_lengths[s] - rank.response_lengths[s] - 1 <= p < rank.total_lengths[s] - 1

@@ -257,6 +257,34 @@ def test_a_hang_only_slimes_own_padding_reaches(tmp_path):
 
 @needs_slime_history
 @pytest.mark.world
+def test_a_repro_script_runs_slimes_get_batch_and_shows_the_hang_only_it_reaches(tmp_path):
+    """`shardcheck repro` for #2123's hang: the script lays the rows out as get_batch did in the run
+    (from the report, or from a run of its own: the same rows) and runs get_batch again on the real
+    tokens, checking they land there; at the parent it finds rank 1's backward all-reduce alone,
+    pointed at the fix it finds nothing."""
+    repo = os.environ[REPO_ENV]
+    parent = export_commit(repo, f"{PR_2123}~1", tmp_path / "parent")
+    scenario = ["--suite", "regressions", "--scenario", "ag-cp2-padding-rank"]
+    run_cli("run", "--target", "slime", "--target-src", parent, *scenario, "--json-report", str(tmp_path / "r.json"))
+    from_report, from_target = tmp_path / "a.py", tmp_path / "b.py"
+    made = [run_cli("repro", "--report", str(tmp_path / "r.json"), "--scenario", "ag-cp2-padding-rank", "--out",
+                    str(from_report)),
+            run_cli("repro", "--target", "slime", "--target-src", parent, *scenario, "--out", str(from_target))]
+    assert [m.returncode for m in made] == [0, 0], [m.stderr for m in made]
+    case = [path.read_text().split("CASE = {")[1].split("\n}\n")[0] for path in (from_report, from_target)]
+    assert case[0] == case[1] and '"data_path": "slime/backends/megatron_utils/data.py:get_batch"' in case[0]
+    assert '"pieces": [[1, 128, 256]]' in case[0]  # CP rank 1: only get_batch's padding
+    python = torch_only_python(tmp_path)
+    run = lambda *extra: subprocess.run([python, str(from_report), *extra], capture_output=True, text=True,  # noqa: E731
+                                        timeout=180, cwd=tmp_path)
+    before, after = run(), run("--src", export_commit(repo, PR_2123, tmp_path / "fix"))
+    assert before.returncode == 1 and "collective mismatch in group [0, 1]" in before.stdout, before.stdout
+    assert "rank 0 made no call; rank 1 issued all_reduce(SUM) [[50]] in backward" in before.stdout
+    assert after.returncode == 0 and after.stdout.startswith("NOT FOUND"), after.stdout + after.stderr
+
+
+@needs_slime_history
+@pytest.mark.world
 def test_a_rank_whose_loss_misses_its_logits_hangs_the_models_backward(tmp_path):
     """Before PR #1678 slime's loss_function had no loss + 0 * logits.sum(): a CP rank holding
     only padding (get_batch's) has a loss that does not reach its logits, so the model's CP

@@ -10,6 +10,7 @@ gradients against a float64 computation. It prints one paragraph and exits 1 (fo
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -23,7 +24,7 @@ from shardcheck.harness.controller import repro_script
 from shardcheck.harness.rank.compare import TOLERANCES
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios.scenario import Scenario, data_id
-from shardcheck.targets.base import data_path, definitions, knob_skip_reason, loss_form
+from shardcheck.targets.base import TargetConfig, data_path, definitions, knob_skip_reason, loss_form, resolved_knobs
 
 MAX_LINES = 300  # the issue's promise: a reader takes it in at one sitting
 _STUB = '''def call_code_under_test(logits, rank):  # written above by shardcheck repro
@@ -32,9 +33,20 @@ _STUB = '''def call_code_under_test(logits, rank):  # written above by shardchec
 _CASE_LINE = "CASE: dict = {}  # written above by shardcheck repro\n"
 
 
-def from_report(path: str, name: str) -> tuple[str, Scenario, dict[str, Any], bool]:
-    """The target spec, the scenario, its first failure and whether the run checked for inputs
-    changed in place, from a JSON report (run --json-report)."""
+@dataclasses.dataclass(frozen=True)
+class Reported:
+    """A failure as a JSON report (run --json-report) holds it."""
+
+    spec: str
+    scenario: Scenario
+    failure: dict[str, Any]
+    inplace: bool  # whether the run checked for inputs changed in place
+    layouts: dict[int, dict[str, Any]]  # rank -> the rows a framework's data path built there (none: shardcheck's)
+    config: TargetConfig | None  # the target's checkout and options in that run (older reports: None)
+
+
+def from_report(path: str, name: str) -> Reported:
+    """``name``'s first failure, from a JSON report."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -45,18 +57,27 @@ def from_report(path: str, name: str) -> tuple[str, Scenario, dict[str, Any], bo
     failures = entries[0].get("failures") or []
     if not failures:
         raise BadInput(f"scenario {name!r} did not fail in {path} ({entries[0].get('verdict')}): nothing to reproduce")
-    return doc.get("target_spec", ""), Scenario.from_dict(entries[0]["scenario"]), failures[0], \
-        doc.get("inplace", True) is not False
+    layouts = {int(r): lay for r, lay in (entries[0].get("layouts") or {}).items()}
+    given = doc.get("target_config") or None
+    config = TargetConfig(given.get("src"), tuple(tuple(kv) for kv in given.get("options", []))) if given else None
+    return Reported(doc.get("target_spec", ""), Scenario.from_dict(entries[0]["scenario"]), failures[0],
+                    doc.get("inplace", True) is not False, layouts, config)
 
 
 def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, Any] | None,
-                name: str = "repro.py", inplace: bool = True) -> str:
+                name: str = "repro.py", inplace: bool = True, layouts: dict[int, dict[str, Any]] | None = None) -> str:
     """The script for ``scenario`` on ``target`` (named by ``spec``), expecting ``failure``;
-    ``inplace``: whether it checks for inputs changed in place (run --no-inplace: not)."""
+    ``inplace``: whether it checks for inputs changed in place (run --no-inplace: not);
+    ``layouts``: the rows the target's data path built on each rank in a run (:func:`run_layouts`),
+    where it lays them out."""
     refused = refusal(target, scenario)
     if refused:
         raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
     sc, call = scenario, target.repro_call()
+    built = needs_layouts(target, sc)
+    built_by = data_path(target).name if built else None  # the framework's code lays the rows out
+    if built and not layouts:
+        raise RuntimeError(f"{sc.name}: the target's data path lays out its rows; give the run's layouts")
     src = str(target.src) if getattr(target, "src", None) is not None else _source_tree()
     variant = spec.partition(":")[2]
     case = {
@@ -69,8 +90,10 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
             "totals": [s.total for s in sc.samples], "prompts": [s.prompt for s in sc.samples],
             "data_ids": [data_id(sc, i) for i in range(len(sc.samples))],
             "entropy_sign": definitions(target).entropy_sign,  # -1: the target's entropy is sum p log p
+            "data_path": built_by,
+            "knobs": resolved_knobs(data_path(target), sc) if built else {},  # the data path's (pad_multiplier, ...)
         },
-        "ranks": [_rank(sc, r) for r in range(sc.tp * sc.cp)],
+        "ranks": [_rank(sc, r, layouts if built else None) for r in range(sc.tp * sc.cp)],
         "inplace": inplace,
         "tolerances": {d: {k: [t.atol, t.rtol] for k, t in tols.items()} for d, tols in TOLERANCES.items()},
     }
@@ -78,7 +101,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     body = body[body.index("import argparse"):]  # its own header comment is the writer's business
     if _CASE_LINE not in body or _STUB not in body:  # the slots the writer fills: a script never keeps them
         raise RuntimeError("repro_script.py lost a slot the writer fills (CASE or call_code_under_test)")
-    text = (_header(spec, sc, failure, src, name, inplace) + body.replace(_CASE_LINE, _case_text(case))
+    text = (_header(spec, sc, failure, src, name, inplace, built_by) + body.replace(_CASE_LINE, _case_text(case))
             .replace(_STUB, call.strip("\n") + "\n"))
     text = re.sub(r"\n\n\n+", "\n\n", text)  # one blank line between definitions: more of it on a screen
     lines = text.count("\n")
@@ -104,10 +127,12 @@ def refusal(target: Any, scenario: Scenario) -> str | None:
 
 
 def target_refusal(target: Any) -> str | None:
+    """Why no script can be written for ``target`` (a target whose data path the script cannot
+    run says so by having no repro call)."""
     if not (hasattr(target, "repro_call") and target.repro_call()):
         return "the target cannot say how it calls its code (it has no repro_call)"
-    if data_path(target) is not None or loss_form(target) != "weighted":
-        return "the target lays out its own rows or computes its own loss: repro does not write those yet"
+    if loss_form(target) != "weighted":
+        return "the target computes its own loss: repro does not write those yet"
     return None
 
 
@@ -129,11 +154,35 @@ def write(path: str, text: str) -> None:
         raise BadInput(f"--out {path}: {exc.strerror or exc}") from None
 
 
-def _rank(sc: Scenario, rank: int) -> dict[str, Any]:
-    """What global rank ``rank`` holds: megatron's order puts tp innermost (rank = cp_rank * tp + tp_rank)."""
+def run_layouts(spec: str, scenario: Scenario) -> dict[int, dict[str, Any]]:
+    """Run ``scenario`` once on a world of its size (gloo) for the rows the target's data path
+    builds on each rank, as a report holds them."""
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import SilentReport
+
+    [verdict] = runner.run([scenario], spec, reporter=SilentReport(), nproc=scenario.ranks).verdicts
+    if not verdict.layouts:
+        raise BadInput(f"scenario {scenario.name!r}: the run to learn the target's layout gave none "
+                       f"({verdict.status}{': ' + verdict.failures[0].message if verdict.failures else ''})")
+    return verdict.layouts
+
+
+def needs_layouts(target: Any, sc: Scenario) -> bool:
+    """Whether the target's own data path lays out ``sc``'s rows (a script then needs the run's)."""
+    path = data_path(target)
+    return path is not None and path.builds(sc) is None
+
+
+def _rank(sc: Scenario, rank: int, layouts: dict[int, dict[str, Any]] | None) -> dict[str, Any]:
+    """What global rank ``rank`` holds: megatron's order puts tp innermost (rank = cp_rank * tp + tp_rank).
+    The rows are the framework's where ``layouts`` has them; the share (what the rank returns) is the harness's."""
     lay = rank_layout(sc, rank % sc.tp, rank // sc.tp)
-    return {"tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank, "pieces": [[p.stream, p.start, p.stop] for p in lay.pieces],
-            "shape": list(lay.shape), "columns": list(lay.columns), "share": [list(s) for s in lay.share]}
+    rows = {"pieces": [[p.stream, p.start, p.stop] for p in lay.pieces], "shape": list(lay.shape)}
+    if layouts is not None:
+        built = next(v for v in layouts.values() if (v["tp_rank"], v["cp_rank"]) == (lay.tp_rank, lay.cp_rank))
+        rows = {"pieces": built["pieces"], "shape": built["shape"]}
+    return {"tp_rank": lay.tp_rank, "cp_rank": lay.cp_rank, **rows, "columns": list(lay.columns),
+            "share": [list(s) for s in lay.share]}
 
 
 def _case_text(case: dict[str, Any]) -> str:
@@ -151,7 +200,8 @@ def _py(text: str) -> str:
     return text.replace("true", "True").replace("false", "False").replace("null", "None")
 
 
-def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, name: str, inplace: bool) -> str:
+def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, name: str, inplace: bool,
+            built_by: str | None) -> str:
     if failure:
         where = f" in the {failure['phase']}" if failure.get("phase") else ""
         expected = f"{failure['kind']}{where}: {' '.join(str(failure.get('message', '')).split())[:300]}"
@@ -163,7 +213,8 @@ def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, n
         f"tp={sc.tp}, cp={sc.cp}, {sc.dtype})",
         "A world of tp * cp processes (gloo), torch alone: the scenario's inputs from its seed, each rank's rows as the",
         "failing run laid them out, the code called as shardcheck's target calls it, plain checks against float64.",
-        f"Code under test: {src}" + (f" at commit {commit}" if commit else ""),
+        f"Code under test: {src}" + (f" at commit {commit}" if commit else "")
+        + (f"; its {built_by} lays out the rows (run again and checked)" if built_by else ""),
         f"Expected (shardcheck found): {expected}",
         f"Run: python {name} [--src CHECKOUT] [--variant NAME|none]" + (" [--no-inplace]" if inplace else "")
         + "; exit 1: found (it says what), 0: not." + ("" if inplace else " Inputs changed in place: not checked."),

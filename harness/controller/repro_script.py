@@ -16,8 +16,8 @@ def call_code_under_test(logits, rank):  # written above by shardcheck repro
     raise NotImplementedError
 
 
-# -- the inputs, generated from the seed exactly as shardcheck generated them -------------------
 def generator(*key):
+    """The inputs come from the seed exactly as shardcheck generated them: one torch generator a key."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
@@ -77,7 +77,6 @@ def rank_grad(sc, layout, samples):
     return want[..., layout["columns"][0]:layout["columns"][1]]
 
 
-# -- one rank ----------------------------------------------------------------------------------
 def logged(name, fn, log):
     """torch.distributed's ``name``, writing each call (op, group, shapes, phase) to ``log``."""
     def call(*args, **kwargs):
@@ -113,7 +112,7 @@ def run_rank(rank, world, folder, code):
                 with_entropy=sc["with_entropy"], entropy_coef=sc["entropy_coef"], temperature=sc["temperature"],
                 chunk_size=sc["chunk_size"], max_seq_lens=[layout["shape"][1]] * len(samples) if sc["layout"] == "bshd" else None,
                 tp_group=tp_groups[layout["cp_rank"]], cp_group=cp_groups[layout["tp_rank"]], tp_rank=layout["tp_rank"],
-                tp_size=tp, cp_rank=layout["cp_rank"], cp_size=cp, share=layout["share"],
+                tp_size=tp, cp_rank=layout["cp_rank"], cp_size=cp, share=layout["share"], data_path=sc["data_path"], knobs=sc["knobs"],
                 rows=[(s, p) for s, a, b in layout["pieces"] for p in range(a, b)], **code)  # (sample, position) a row
             given = [logits.detach().clone()] + [t.clone() for t in info.tokens]
             with Writes([logits, *info.tokens]) as writes:
@@ -166,7 +165,6 @@ class Writes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# -- the verdict -------------------------------------------------------------------------------
 def findings(folder, world, hung, inplace):
     sc = CASE["scenario"]
     tol = lambda kind: CASE["tolerances"][sc["dtype"]][kind]  # noqa: E731  (atol, rtol)
@@ -190,10 +188,10 @@ def findings(folder, world, hung, inplace):
         members = json.loads(group)
         seqs = [by_rank.get(r, []) for r in members]
         for n in range(max(map(len, seqs))):
-            said = [seq[n] if n < len(seq) else "no call" for seq in seqs]
-            if len(set(said)) > 1:
+            issued = [seq[n] if n < len(seq) else "no call" for seq in seqs]
+            if len(set(issued)) > 1:
                 return [f"collective mismatch in group {members} call {n}: " + "; ".join(
-                    f"rank {r} issued {c}" if c != "no call" else f"rank {r} made no call" for r, c in zip(members, said))]
+                    f"rank {r} issued {c}" if c != "no call" else f"rank {r} made no call" for r, c in zip(members, issued))]
     if crashes:
         return [said(c) for c in crashes]
     if hung:
@@ -208,8 +206,7 @@ def findings(folder, world, hung, inplace):
         layout = CASE["ranks"][res["rank"]]
         want_grad = rank_grad(sc, layout, samples)
         for i, ((lp, ent, _), share) in enumerate(zip(samples, layout["share"])):
-            want_lp, want_ent = lp[share], ent[share]
-            for field, got, want in (("log-prob", res["log_probs"], want_lp), ("entropy", res["entropy"], want_ent)):
+            for field, got, want in (("log-prob", res["log_probs"], lp[share]), ("entropy", res["entropy"], ent[share])):
                 if got is None or (field == "entropy" and not sc["with_entropy"]):
                     continue
                 if not isinstance(got[i], torch.Tensor) or got[i].shape != want.shape:

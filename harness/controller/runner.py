@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from shardcheck.harness.controller.verdict import FAIL, SKIP, TIMED_OUT, RunInfo, Verdict, merge
 from shardcheck.harness.controller.reach_report import Reach
@@ -16,7 +16,7 @@ from shardcheck.harness import wire
 from shardcheck.harness.wire import EXPLAIN, ROOT_CAUSES, Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
-from shardcheck.targets.base import data_path, knob_skip_reason
+from shardcheck.targets.base import TargetConfig, data_path, knob_skip_reason
 
 
 class Reporter(Protocol):
@@ -134,7 +134,7 @@ def run(
     chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     world = chosen.world
     info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace,
-                   repro=repro if target_refusal(target) is None else None)
+                   repro=repro if target_refusal(target) is None else None, target_config=_target_config(target))
     reach = Reach(str(target.src) if getattr(target, "src", None) is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
@@ -180,3 +180,10 @@ def run(
         verdicts.sort(key=lambda p: p[0])  # suite order, whatever ran first
         reporter.finish(info)
     return RunResult([v for _, v in verdicts], info)
+
+
+def _target_config(target: Any) -> dict[str, Any]:
+    """The target's checkout (as resolved) and options, as a report keeps them."""
+    config = TargetConfig.from_environment()
+    src = getattr(target, "src", None)
+    return {"src": str(src) if src is not None else config.src, "options": [list(kv) for kv in config.options]}

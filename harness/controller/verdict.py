@@ -105,6 +105,9 @@ class RunInfo:
     # how to write a failure as a standalone script ({scenario}: its name); None where the target
     # cannot say how it calls its code
     repro: str | None = None
+    # what configured the target ({"src": its checkout, "options": [[key, value], ...]}), so that
+    # `shardcheck repro --report` builds the same target
+    target_config: dict[str, Any] = _field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
