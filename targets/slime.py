@@ -210,19 +210,16 @@ def call_code_under_test(logits, rank):
     """slime's get_log_probs_and_entropy from rank.src, as shardcheck's slime target calls it."""
     import importlib.util, inspect  # noqa: E401
     from megatron.core import parallel_state as mpu
-
     class Stub(type(sys)):  # a module (types.ModuleType) slime imports but this path never uses
-        __path__ = []
+        __path__, __mro_entries__ = [], lambda self, bases: (object,)  # a package; a base class
         __getattr__ = lambda self, name: self if not name.startswith("__") else object.__getattribute__(self, name)
         __call__ = __or__ = __ror__ = __getitem__ = lambda self, *a, **k: self  # calls, X | None, X[...]
-        __mro_entries__ = lambda self, bases: (object,)
 
     sys.path.insert(0, rank.src)  # each rank's process calls this once
     torch._dynamo.config.disable = True  # its torch.compile'd helpers run eagerly, as shardcheck runs them
     sys.modules.update({name: Stub(name) for name in STUBBABLE if importlib.util.find_spec(name) is None})
     mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
     from slime.backends.megatron_utils import data, loss
-
     args = SimpleNamespace(rollout_temperature=rank.temperature, log_probs_chunk_size=rank.chunk_size, rollout_top_p=1.0,
                            allgather_cp=rank.layout == "allgather", entropy_coef=rank.entropy_coef, tensor_model_parallel_size=rank.tp_size,
                            qkv_format="bshd" if rank.layout == "bshd" else "thd", context_parallel_size=rank.cp_size)

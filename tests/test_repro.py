@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import torch_only_python
 from shardcheck.harness.controller import repro
@@ -48,6 +49,8 @@ def _scripts(folder: Path) -> dict:
         runs = [subprocess.run([python, str(path), *extra], capture_output=True, text=True, timeout=120, cwd=folder)
                 for extra in ([], ["--variant", "none"])]
         out[kind] = {"text": path.read_text(), "runs": runs}
+    out["nccl"] = subprocess.run([python, str(path), "--backend", "nccl"], capture_output=True, text=True, timeout=120,
+                                 cwd=folder)
     return out
 
 
@@ -73,6 +76,14 @@ def test_the_script_finds_each_kind_with_torch_alone(kind, background):
         assert f"targets/mutants.py:{line})" in found.stdout, found.stdout
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert clean.stdout.startswith("NOT FOUND"), clean.stdout
+
+
+@pytest.mark.background("repro-kinds")
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has a GPU a rank: nccl would run")
+def test_nccl_without_a_gpu_a_rank_is_refused_before_any_rank_starts(background):
+    done = background("repro-kinds")["nccl"]
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--backend nccl: a GPU a rank, and this machine has" in done.stderr and not done.stdout, done.stderr
 
 
 def _report(path: Path, spec: str, scenario, failures: list) -> Path:

@@ -91,23 +91,24 @@ def logged(name, fn, log):
     return call
 
 
-def run_rank(rank, world, folder, code):
+def run_rank(rank, world, folder, code, backend):
     sc, layout = CASE["scenario"], CASE["ranks"][rank]
-    found = {"rank": rank}
+    found, device = {"rank": rank}, torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     try:
+        torch.cuda.set_device(device) if backend == "nccl" else None  # nccl: a GPU a rank
         with open(os.path.join(folder, f"calls.{rank}"), "w") as log:
             for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
                 setattr(dist, name, logged(name, getattr(dist, name), log))
-            dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
+            dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
             tp, cp = sc["tp"], sc["cp"]
             tp_groups = [dist.new_group([c * tp + r for r in range(tp)]) for c in range(cp)]
             cp_groups = [dist.new_group([c * tp + r for c in range(cp)]) for r in range(tp)]
-            leaf = rank_rows(sc, layout).requires_grad_()
+            leaf = rank_rows(sc, layout).to(device).requires_grad_()
             logits = leaf.clone()  # a model's output: not a leaf
             samples = range(len(sc["totals"]))
             info = SimpleNamespace(
-                tokens=[tokens(sc, i) for i in samples], total_lengths=list(sc["totals"]),
+                tokens=[tokens(sc, i).to(device) for i in samples], total_lengths=list(sc["totals"]),
                 response_lengths=[sc["totals"][i] - sc["prompts"][i] for i in samples], layout=sc["layout"],
                 with_entropy=sc["with_entropy"], entropy_coef=sc["entropy_coef"], temperature=sc["temperature"],
                 chunk_size=sc["chunk_size"], max_seq_lens=[layout["shape"][1]] * len(samples) if sc["layout"] == "bshd" else None,
@@ -119,11 +120,11 @@ def run_rank(rank, world, folder, code):
                 log_probs, entropy = call_code_under_test(logits, info)
             found["changed_in_forward"] = changed([logits, *info.tokens], given, writes)
             given = [logits.detach().clone()] + [t.clone() for t in info.tokens]  # the backward's own changes
-            keep = lambda xs: None if xs is None else [x.detach() if isinstance(x, torch.Tensor) else x for x in xs]  # noqa: E731
+            keep = lambda xs: None if xs is None else [x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in xs]  # noqa: E731
             found["log_probs"], found["entropy"] = keep(log_probs), keep(entropy)
             outs, feed = [], []
             for i, share in enumerate(layout["share"]):
-                w = loss_weights(sc, i)[:, share]
+                w = loss_weights(sc, i)[:, share].to(device)
                 outs.append(log_probs[i]), feed.append(w[0].to(getattr(log_probs[i], "dtype", torch.float32)))
                 if sc["with_entropy"] and entropy is not None:
                     outs.append(entropy[i]), feed.append((-sc["entropy_coef"] * w[1]).to(getattr(entropy[i], "dtype", torch.float32)))
@@ -133,7 +134,7 @@ def run_rank(rank, world, folder, code):
             with Writes([logits, *info.tokens] + [f for _, f in fed]) as writes:
                 torch.autograd.backward([o for o, _ in fed], [f for _, f in fed]) if fed else None
             found["changed_in_backward"] = changed([logits, *info.tokens] + [f for _, f in fed], given + fed_before, writes)
-            found["grad"] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            found["grad"] = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).cpu()
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001  (the finding is the exception itself)
         frames = traceback.extract_tb(exc.__traceback__)  # where in the code under test, if it got there
@@ -169,8 +170,8 @@ def findings(folder, world, hung, inplace):
     sc = CASE["scenario"]
     tol = lambda kind: CASE["tolerances"][sc["dtype"]][kind]  # noqa: E731  (atol, rtol)
     close = lambda got, want, t: (got.double() - want).abs() <= t[0] + t[1] * want.abs()  # noqa: E731  NaN: not
-    results = [torch.load(os.path.join(folder, f"result.{r}.pt"), weights_only=False)
-               for r in range(world) if os.path.exists(os.path.join(folder, f"result.{r}.pt"))]
+    saved = [os.path.join(folder, f"result.{r}.pt") for r in range(world)]  # a hung rank saved none
+    results = [torch.load(path, weights_only=False) for path in saved if os.path.exists(path)]
     crashes = {}  # what was raised -> the ranks that raised it
     for res in (res for res in results if "crash" in res):
         crashes.setdefault(res["crash"], []).append(res["rank"])
@@ -220,16 +221,15 @@ def findings(folder, world, hung, inplace):
         for where in bad[:SHOWN]:
             out.append(f"rank {res['rank']} logits row {where[:-1]} column {layout['columns'][0] + where[-1]}: gradient "
                        f"{res['grad'][tuple(where)].item():.8g}, want {want_grad[tuple(where)].item():.8g}")
-        if len(bad) > SHOWN:
-            out.append(f"rank {res['rank']}: {len(bad) - SHOWN} more gradient elements off")
+        out += [f"rank {res['rank']}: {len(bad) - SHOWN} more gradient elements off"] * (len(bad) > SHOWN)
     return out
 
 
-def main(code, inplace):
+def main(code, inplace, backend="gloo"):
     world = CASE["scenario"]["tp"] * CASE["scenario"]["cp"]
     with tempfile.TemporaryDirectory(prefix="repro-") as folder:
         ctx = multiprocessing.get_context("fork")  # torch is loaded once; nothing of it has run yet
-        procs = [ctx.Process(target=run_rank, args=(r, world, folder, code), daemon=True) for r in range(world)]
+        procs = [ctx.Process(target=run_rank, args=(r, world, folder, code, backend), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TIMEOUT_S
@@ -255,6 +255,9 @@ if __name__ == "__main__":
     ap.add_argument("--src", default=CASE["code"]["src"], help="the checkout of the code under test")
     ap.add_argument("--variant", default=CASE["code"]["variant"], help="the target's variant ('none': the plain one)")
     ap.add_argument("--no-inplace", action="store_true", help="do not check for inputs changed in place")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: a GPU a rank, the logits on it")
     args = ap.parse_args()
+    if args.backend == "nccl" and torch.cuda.device_count() < CASE["scenario"]["tp"] * CASE["scenario"]["cp"]:
+        ap.error(f"--backend nccl: a GPU a rank, and this machine has {torch.cuda.device_count()}")
     sys.exit(main({"src": args.src, "variant": None if args.variant in (None, "none") else args.variant},
-                  CASE["inplace"] and not args.no_inplace))
+                  CASE["inplace"] and not args.no_inplace, args.backend))
