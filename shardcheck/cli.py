@@ -588,6 +588,19 @@ def _repro_command(args: argparse.Namespace) -> str:
         " --scenario {scenario}"
 
 
+def _layouts_of_a_run(spec: str, scenario: Any) -> dict[int, dict[str, Any]]:
+    """Run ``scenario`` once on a world of its size (gloo) for the rows the target's data path
+    builds on each rank, as a report holds them."""
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import SilentReport
+
+    [verdict] = runner.run([scenario], spec, reporter=SilentReport(), nproc=scenario.ranks).verdicts
+    if not verdict.layouts:
+        raise BadInput(f"scenario {scenario.name!r}: the run to learn the target's layout gave none "
+                       f"({verdict.status}{': ' + verdict.failures[0].message if verdict.failures else ''})")
+    return verdict.layouts
+
+
 def _repro(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller import repro
     from shardcheck.targets import resolve
@@ -615,7 +628,7 @@ def _repro(args: argparse.Namespace) -> int:
     if refused:
         raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
     if repro.needs_layouts(target, scenario) and not layouts:  # the framework lays the rows out: learn where
-        layouts = repro.run_layouts(spec, scenario)
+        layouts = _layouts_of_a_run(spec, scenario)
     repro.write(out, repro.script_text(spec, target, scenario, failure, os.path.basename(out), inplace, layouts))
     print(f"wrote {out}: python {out}  (exit 1: found, 0: not found)")
     return EXIT_OK

@@ -68,7 +68,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
                 name: str = "repro.py", inplace: bool = True, layouts: dict[int, dict[str, Any]] | None = None) -> str:
     """The script for ``scenario`` on ``target`` (named by ``spec``), expecting ``failure``;
     ``inplace``: whether it checks for inputs changed in place (run --no-inplace: not);
-    ``layouts``: the rows the target's data path built on each rank in a run (:func:`run_layouts`),
+    ``layouts``: the rows the target's data path built on each rank in a run (a report's, or a run's),
     where it lays them out."""
     refused = refusal(target, scenario)
     if refused:
@@ -152,19 +152,6 @@ def write(path: str, text: str) -> None:
         raise BadInput(f"--out {path} exists; give another path or remove it") from None
     except OSError as exc:
         raise BadInput(f"--out {path}: {exc.strerror or exc}") from None
-
-
-def run_layouts(spec: str, scenario: Scenario) -> dict[int, dict[str, Any]]:
-    """Run ``scenario`` once on a world of its size (gloo) for the rows the target's data path
-    builds on each rank, as a report holds them."""
-    from shardcheck.harness.controller import runner
-    from shardcheck.harness.controller.report import SilentReport
-
-    [verdict] = runner.run([scenario], spec, reporter=SilentReport(), nproc=scenario.ranks).verdicts
-    if not verdict.layouts:
-        raise BadInput(f"scenario {scenario.name!r}: the run to learn the target's layout gave none "
-                       f"({verdict.status}{': ' + verdict.failures[0].message if verdict.failures else ''})")
-    return verdict.layouts
 
 
 def needs_layouts(target: Any, sc: Scenario) -> bool:
