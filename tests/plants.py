@@ -979,3 +979,77 @@ class StarvedEverywhere(BuiltinTarget):
     def compute(self, inputs: RankInputs) -> RankOutputs:
         _work_at_idle_priority_on_the_hog_cpu()
         return super().compute(inputs)
+
+
+# -- wrong only where a careless comparison would not look (issue 26) ---------------------------
+
+def _shifted_at(t: torch.Tensor, k: int, shift: float) -> torch.Tensor:
+    """``t`` with ``shift`` added at ``k`` only, by an add that keeps the gradient: every other
+    element keeps its bits (x + 0.0 is x)."""
+    bump = torch.zeros_like(t)
+    bump[k] = shift
+    return t + bump
+
+
+def _set_nan(row: int, column: int):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1, grad.size(-1))[row, column] = float("nan")
+        return grad
+
+    return hook
+
+
+class NanLogProbAndGrad(BuiltinTarget):
+    """builtin, with NaN for the log-prob of sample 1, response token 3 and for d loss / d logits
+    at the row scoring that token, vocab column 5 (on whichever ranks hold them)"""
+
+    name = "plants:NanLogProbAndGrad"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        layout = _layout(inputs)
+        prompt = inputs.total_lengths[SAMPLE] - inputs.response_lengths[SAMPLE]
+        rows = layout.row_positions()
+        lo, hi = layout.columns
+        if (SAMPLE, prompt - 1 + TOKEN) in rows and lo <= COLUMN < hi:
+            inputs.logits = _OnBackward.apply(inputs.logits, _set_nan(rows.index((SAMPLE, prompt - 1 + TOKEN)),
+                                                                      COLUMN - lo))
+        out = super().compute(inputs)
+        share = layout.share[SAMPLE]
+        if TOKEN in share:
+            out.log_probs[SAMPLE] = _shifted_at(out.log_probs[SAMPLE], share.index(TOKEN), float("nan"))
+        return out
+
+
+class CorruptLastToken(BuiltinTarget):
+    """builtin, with the log-prob of the last sample's last response token off by 0.5 (on
+    whichever rank holds it): the last element a rank returns, where an off-by-one stops short"""
+
+    name = "plants:CorruptLastToken"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        last = len(inputs.response_lengths) - 1
+        token = inputs.response_lengths[last] - 1
+        share = _layout(inputs).share[last]
+        if token in share:
+            out.log_probs[last] = _shifted_at(out.log_probs[last], share.index(token), 0.5)
+        return out
+
+
+class OneUlpUpFirstInBatch(BuiltinTarget):
+    """builtin, whose first sample in the call has its first response token's log-prob moved to
+    the next float up: one ulp, and only for the sample placed first (an order-dependent result)"""
+
+    name = "plants:OneUlpUpFirstInBatch"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        share = _layout(inputs).share[0]
+        if 0 in share:
+            lp = out.log_probs[0].detach()
+            k = share.index(0)
+            # the step to the next float is exact, and so is adding it back
+            step = torch.nextafter(lp[k], torch.tensor(float("inf"), dtype=lp.dtype)) - lp[k]
+            out.log_probs[0] = _shifted_at(out.log_probs[0], k, float(step))
+        return out

@@ -2,7 +2,10 @@
 transformers, megatron-bridge and more): set SHARDCHECK_AREAL_SRC to a clone of inclusionAI/AReaL.
 Era detection, capabilities and skip reasons, bad input and the hygiene of what is compiled and
 imported are checked on small fake checkouts without it; the historical fixes need
-SHARDCHECK_AREAL_REPO (a clone with its history)."""
+SHARDCHECK_AREAL_REPO (a clone with its history).
+
+Over 20 s: with a checkout (about 22 s here), the target runs suites on real worlds and the
+historical fixes run shardcheck at two commits each (without one: 1 s)."""
 
 import dataclasses
 import json

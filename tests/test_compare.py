@@ -1,4 +1,4 @@
-"""The comparison against the reference, without processes: outputs and gradients brute-forced
+"""The comparison against the reference, first without processes: outputs and gradients brute-forced
 here pass; a one-element change fails and is named by sample, token and column.
 
 The expectations are computed in this file with plain float64 torch on the whole (tiny)
@@ -7,10 +7,15 @@ scenario: full logits per sample, ``torch.log_softmax``, the target token gather
 zigzag layout with explicit arithmetic, never with the reference or shard truth code under test
 (``shardcheck.reference``, ``shard.share_truth``, ``shard.row_targets_and_weights``,
 ``loss_grad_chunks``): a bug shared by the harness's truth and the expectation would go unseen.
+
+At the end, the same checks end to end: plants (tests/plants.py) wrong only where a careless
+comparison would not look (a NaN, the last token) run on the session's world and must fail.
 """
 
+import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from shardcheck.harness.rank.compare import TOLERANCES, compare_grad, compare_outputs, mismatch_mask
@@ -288,3 +293,44 @@ def test_a_value_mismatch_says_how_many_ulps_off_in_the_outputs_dtype():
     [f] = compare_outputs(lay, data, lp, ent, rank=3)[0]
     steps = int(controller_ulps(torch.tensor([f.got], dtype=torch.float32), torch.tensor([f.want]).float()))
     assert f.message.endswith(f"({steps} ulps of float32)"), f.message
+
+
+# -- end to end: the same checks through a run on the session's world (issue 26) -------------------
+def _run_sc(world, target: str):
+    """SC (tp 2 x cp 2: the world's four ranks) run once through the harness: its verdict."""
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import SilentReport
+
+    [verdict] = runner.run([SC], target, reporter=SilentReport(), world=world).verdicts
+    return verdict
+
+
+@pytest.mark.world
+def test_builtin_passes_the_scenario_the_plants_below_fail(world):
+    v = _run_sc(world, "builtin")
+    assert v.status == "pass", [f.message for f in v.failures]
+
+
+@pytest.mark.world
+def test_a_nan_log_prob_and_a_nan_gradient_fail_on_a_world(world):
+    v = _run_sc(world, "plants:NanLogProbAndGrad")
+    by_field = {f.field: f for f in v.failures}
+    assert sorted(by_field) == ["grad", "log_probs"], [f.message for f in v.failures]
+    lp, grad = by_field["log_probs"], by_field["grad"]
+    assert (lp.kind, lp.sample, lp.token) == ("value_mismatch", 1, 3) and math.isnan(lp.got)
+    assert lp.message.startswith("log_probs sample 1 token 3: got nan, want "), lp.message
+    assert (grad.kind, grad.sample, grad.token, grad.column) == ("grad_mismatch", 1, 3, 5) and math.isnan(grad.got)
+    assert grad.message.startswith("grad sample 1 token 3 column 5: got nan, want "), grad.message
+
+
+@pytest.mark.world
+def test_a_wrong_last_token_of_the_last_sample_fails_on_a_world(world):
+    last = len(SC.samples) - 1
+    token = SC.samples[last].response - 1
+    # the zigzag share holding it ends with it: the last element a rank compares
+    assert rank_layout(SC, 0, 1).share[last][-1] == token
+    v = _run_sc(world, "plants:CorruptLastToken")
+    assert [(f.kind, f.field, f.sample, f.token) for f in v.failures] == [
+        ("value_mismatch", "log_probs", last, token)], [f.message for f in v.failures]
+    [f] = v.failures
+    assert f.message.startswith(f"log_probs sample {last} token {token}: got ") and abs(f.got - f.want - 0.5) < 1e-4

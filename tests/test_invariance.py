@@ -8,6 +8,7 @@ invariance bases.
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,3 +156,30 @@ def test_the_command_writes_the_matrix_and_exits_1_on_a_violation(tmp_path, caps
     assert doc["matrix"]["packing"]["log_probs"]["max_ulp"] >= 1 and doc["matrix"]["order"]["grad"]["max_ulp"] == 0
     assert doc["violations"] and all(v["details"]["axis"] == "packing" for v in doc["violations"])
     assert "packing" in out and "invariance violation" in out
+
+
+# -- a difference of exactly one ulp (issue 26) ---------------------------------------------------
+# tp = cp = 1 and short: each order is one quick run
+TWO_SAMPLES = Scenario("two", (Sample(9, 4), Sample(7, 3)), vocab=16, seed=5)
+
+
+@pytest.mark.world
+def test_a_one_ulp_difference_between_orders_is_a_violation(world):
+    result = check_invariance([TWO_SAMPLES], "plants:OneUlpUpFirstInBatch", axes=["order"],
+                              expect={"order": Expect(0)}, world=world)
+    # each sample is first in one order and second in the other: its token 0 is one ulp apart
+    assert [(f.sample, f.token, f.details["ulp"]) for f in result.violations] == [(0, 0, 1), (1, 0, 1)]
+    for f in result.violations:
+        assert (f.kind, f.field, f.details["differing_elements"]) == ("invariance_violation", "log_probs", 1)
+        assert "(1 ulp, 1 elements differ; expected bitwise)" in f.message, f.message
+        lower, upper = sorted(np.float32(x) for x in (f.want, f.got))  # neighbours, by numpy's count
+        assert np.nextafter(lower, np.float32(np.inf)) == upper
+    cells = result.matrix["order"]
+    assert cells["log_probs"].worst.ulp == 1 and cells["entropy"].worst is None and cells["grad"].worst is None
+
+
+@pytest.mark.world
+def test_bitwise_equal_orders_are_no_violation(world):
+    result = check_invariance([TWO_SAMPLES], "builtin", axes=["order"], expect={"order": Expect(0)}, world=world)
+    assert result.exit_code == 0, [f.message for f in result.violations]
+    assert all(cell.compared and cell.worst is None for cell in result.matrix["order"].values())

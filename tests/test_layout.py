@@ -64,6 +64,50 @@ def test_allgather_is_contiguous_and_padded():
     assert lay0.shape == (1, 6, 4)
 
 
+# All-gather CP pads the packed rows up to a multiple of cp * tp and cuts them in cp contiguous
+# pieces. Worked out by hand for totals that are and are not such multiples (padding is where
+# an off-by-one hides): (samples, tp, cp, rows per rank, each CP rank's rows, None for padding).
+ALLGATHER_BY_HAND = {
+    "cp2-tp1-total8-no-padding": (
+        (Sample(5, 2), Sample(3, 1)), 1, 2, 4,
+        [[(0, 0), (0, 1), (0, 2), (0, 3)],
+         [(0, 4), (1, 0), (1, 1), (1, 2)]]),
+    "cp2-tp1-total9-pads-to-10": (
+        (Sample(5, 2), Sample(4, 1)), 1, 2, 5,
+        [[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)],
+         [(1, 0), (1, 1), (1, 2), (1, 3), None]]),
+    "cp2-tp2-total12-no-padding": (
+        (Sample(5, 2), Sample(7, 3)), 2, 2, 6,
+        [[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)],
+         [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6)]]),
+    "cp2-tp2-total11-pads-to-12": (
+        (Sample(5, 2), Sample(6, 3)), 2, 2, 6,
+        [[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)],
+         [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), None]]),
+    "cp2-tp2-total9-pads-to-12": (
+        (Sample(5, 2), Sample(4, 1)), 2, 2, 6,
+        [[(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)],
+         [(1, 1), (1, 2), (1, 3), None, None, None]]),
+    # the last rank holds padding only
+    "cp4-tp1-total6-pads-to-8": (
+        (Sample(4, 1), Sample(2, 1)), 1, 4, 2,
+        [[(0, 0), (0, 1)], [(0, 2), (0, 3)], [(1, 0), (1, 1)], [None, None]]),
+}
+
+
+@pytest.mark.parametrize("case", ALLGATHER_BY_HAND)
+def test_allgather_padding_matches_the_hand_computed_rows(case):
+    samples, tp, cp, local_rows, rows_by_cp_rank = ALLGATHER_BY_HAND[case]
+    sc = Scenario("a", samples, vocab=8, tp=tp, cp=cp, layout="allgather")
+    assert allgather_local_rows(sc) == local_rows
+    for c in range(cp):
+        for t in range(tp):  # TP ranks split columns, never rows
+            lay = rank_layout(sc, t, c)
+            assert lay.shape == (1, local_rows, 8 // tp)
+            rows = [(s, p) if s < len(samples) and p < samples[s].total else None for s, p in lay.row_positions()]
+            assert rows == rows_by_cp_rank[c]
+
+
 def test_bshd_pads_each_sample_to_the_longest():
     sc = Scenario("b", (Sample(5, 2), Sample(3, 1)), vocab=8, layout="bshd")
     lay = rank_layout(sc, 0, 0)

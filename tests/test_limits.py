@@ -166,13 +166,48 @@ def test_nothing_readable_means_memory_unknown(tmp_path):
     assert host.available_memory(str(tmp_path / "no"), str(tmp_path / "no"), str(tmp_path / "no")) is None
 
 
-def test_a_cpu_quota_lowers_the_cores(tmp_path):
-    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a core: one
-    assert host.usable_cores(str(tmp_path)) == 1
-    (tmp_path / "cpu.max").write_text("150000 100000\n")  # one and a half: two, if the affinity has them
-    assert host.usable_cores(str(tmp_path)) == min(2, host.usable_cores(str(tmp_path / "none")))
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert host.usable_cores(str(tmp_path)) == host.usable_cores(str(tmp_path / "none"))
+@pytest.fixture
+def eight_cpus(monkeypatch):
+    """The process's CPU affinity made 8 CPUs, whatever this machine has."""
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+
+
+# ranks past the quota share its cores, so any part of a core counts as a whole one (math.ceil):
+# 1.5 and 2.2 tell rounding up from rounding down or to the nearest
+@pytest.mark.parametrize("cpu_max, cores", [
+    ("50000 100000\n", 1),
+    ("150000 100000\n", 2),
+    ("220000 100000\n", 3),
+    ("250000 100000\n", 3),
+    ("300000 100000\n", 3),
+    ("max 100000\n", 8),      # no quota: the affinity
+    ("1200000 100000\n", 8),  # a quota past the affinity: the affinity
+])
+def test_a_cpu_quota_lowers_the_cores(tmp_path, eight_cpus, cpu_max, cores):
+    (tmp_path / "cpu.max").write_text(cpu_max)
+    assert host.usable_cores(str(tmp_path)) == cores
+
+
+def test_no_cpu_quota_file_leaves_the_affinity(tmp_path, eight_cpus):
+    assert host.usable_cores(str(tmp_path / "none")) == 8
+
+
+def test_an_affinity_smaller_than_the_quota_wins(tmp_path, monkeypatch):
+    # three CPUs, not this machine's count, so an affinity that is not read shows
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: {1, 4, 6}, raising=False)
+    (tmp_path / "cpu.max").write_text("500000 100000\n")
+    assert host.usable_cores(str(tmp_path)) == 3
+
+
+def test_without_an_affinity_the_cpu_count_is_the_cores(tmp_path, monkeypatch):
+    def no_affinity(pid):
+        raise AttributeError("sched_getaffinity")  # not Linux
+
+    monkeypatch.setattr(host.os, "sched_getaffinity", no_affinity, raising=False)
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 6)
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert host.usable_cores(str(tmp_path)) == 3
+    assert host.usable_cores(str(tmp_path / "none")) == 6
 
 
 # -- a scenario's memory -----------------------------------------------------------------------------

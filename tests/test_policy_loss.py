@@ -42,16 +42,39 @@ def test_policy_weights_are_the_gradient_of_the_ppo_loss_at_ratio_one():
     assert 0 < int(data.loss_mask(0).sum()) < 20, "some tokens masked, not all"
 
 
-def test_policy_batch_holds_the_share_and_the_truth():
-    sc = Scenario("b", (Sample(23, 9), Sample(40, 2)), vocab=16, cp=2, layout="zigzag", seed=3)
+def _brute_force_log_probs(data: ScenarioData, sample: int, share: tuple[int, ...]) -> torch.Tensor:
+    """The log-probs of a sample's response tokens ``share``, one row at a time in float64:
+    row prompt - 1 + j scores token prompt + j."""
+    s = data.scenario.samples[sample]
+    rows = data.logit_rows(sample, 0, s.total).double() / data.scenario.temperature
+    tokens = data.tokens(sample)
+    return torch.tensor([torch.log_softmax(rows[s.prompt - 1 + j], dim=0)[tokens[s.prompt + j]].item()
+                         for j in share], dtype=torch.float64)
+
+
+# zigzag, cp 2: sample 0 (23 tokens, 9 scored) in chunks of 6 rows, sample 1 (40, 2) in chunks of
+# 10; a rank holds chunks r and 3 - r, and scores the response rows among them
+SHARES_BY_CP_RANK = {0: ((5, 6, 7, 8), (0, 1)), 1: ((0, 1, 2, 3, 4), ())}
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_policy_batch_holds_the_share_and_the_truth(cp_rank):
+    # temperature not 1, so old log-probs taken from unscaled logits differ from the truth
+    sc = Scenario("b", (Sample(23, 9), Sample(40, 2)), vocab=16, cp=2, layout="zigzag",
+                  temperature=0.7, seed=3)
     data = ScenarioData(sc, loss="policy")
-    layout = rank_layout(sc, 0, 1)
+    layout = rank_layout(sc, 0, cp_rank)
+    share = SHARES_BY_CP_RANK[cp_rank]
+    assert layout.share == share
     batch = shard.policy_batch(data, layout)
-    truth, _ = shard.share_truth(data, layout)
-    assert [a.numel() for a in batch.advantages] == [len(js) for js in layout.share]
-    assert torch.equal(torch.cat(batch.old_log_probs), truth.float())
-    assert [m.numel() for m in batch.loss_masks] == [s.response for s in sc.samples]
-    assert torch.equal(batch.advantages[0], data.advantages(0)[list(layout.share[0])])
+    assert [lp.dtype for lp in batch.old_log_probs] == [torch.float32, torch.float32]
+    for i, js in enumerate(share):
+        # float32 old log-probs of a float64 truth: a rounding apart, no more
+        torch.testing.assert_close(batch.old_log_probs[i].double(), _brute_force_log_probs(data, i, js),
+                                   rtol=1e-6, atol=1e-6)
+        assert torch.equal(batch.advantages[i], data.advantages(i)[list(js)])
+        assert torch.equal(batch.loss_masks[i], data.loss_mask(i))
+    assert [m.numel() for m in batch.loss_masks] == [9, 2]
 
 
 def _run(world, target, scenarios):
