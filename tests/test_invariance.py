@@ -61,6 +61,15 @@ def test_variants_of_each_axis_and_what_the_world_cannot_hold():
     assert variants("tp", odd, 4)[1].skip == "vocab 37 is not divisible by tp 2"
 
 
+def test_a_difference_of_exactly_one_ulp_is_counted_and_none_is_not():
+    want = torch.tensor([1.0, -2.5, 3.0])
+    got = want.clone()
+    got[1] = torch.nextafter(want[1], torch.tensor(0.0))  # the next float towards zero: one ulp
+    d = difference(want, got)
+    assert d is not None and (d.ulp, d.count, d.index) == (1, 1, (1,)), d
+    assert difference(want, want.clone()) is None
+
+
 def test_ulp_distance_and_difference():
     one = torch.tensor([1.0])
     nxt = torch.nextafter(one, torch.tensor([2.0]))
