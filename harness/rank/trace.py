@@ -67,12 +67,14 @@ _PUBLIC_NAMES = {
 STACK_DEPTH = 3  # frames of the call stack every member of a group must share
 STACK_SHOWN = 3
 # frames that are never the code under test: torch, the harness, the standard library, and
-# decorators that wrap torch's API (deprecation shims)
+# decorators that wrap torch's API (deprecation shims: typing_extensions, wherever it is installed,
+# which in a layered environment is not this interpreter's own site-packages)
+_SHIM = importlib.util.find_spec("typing_extensions")
 _SKIPPED = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # all of the harness
     sysconfig.get_paths()["stdlib"] + os.sep,
-    os.path.join(sysconfig.get_paths()["purelib"], "typing_extensions.py"),
+    *((_SHIM.origin,) if _SHIM is not None and _SHIM.origin else ()),
     # shardcheck's pass-through wrappers between a caller under test and the function it calls
     importlib.util.find_spec("shardcheck.targets.passthrough").origin,
 )
