@@ -958,6 +958,18 @@ class StarvedOnRankOne(BuiltinTarget):
         return super().compute(inputs)
 
 
+class StarvedOnRankOneCorruptValue(CorruptValue):
+    """CorruptValue, and rank 1 starved as in StarvedOnRankOne: on a world of two replicas, rank 1's
+    replica misses its deadline while the other finds the wrong value"""
+
+    name = "plants:StarvedOnRankOneCorruptValue"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        if _global_rank() == 1:
+            _work_at_idle_priority_on_the_hog_cpu()
+        return super().compute(inputs)
+
+
 class SlowPerRank(BuiltinTarget):
     """builtin, except that every rank first sleeps 0.5 s: slow, never hung"""
 

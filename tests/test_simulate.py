@@ -197,7 +197,7 @@ def test_a_simulation_still_going_rank_after_rank_is_not_hung():
 @pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()),
                     reason="no schedstat: how long a process waited for a CPU cannot be known here")
 @pytest.mark.calm
-def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target():
+def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target(tmp_path):
     """The simulation process runs at SCHED_IDLE on a CPU a busy process holds: the deadline it
     misses is the machine's (timeout, exit status 3), not 'a target that never returns'."""
     from plants import hog_cpu
@@ -215,3 +215,9 @@ def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target()
     assert v.status == "timeout" and result.exit_code == 3, [(f.kind, f.message) for f in v.failures]
     assert "simulated rank 0 gave no result within 2s" in v.failures[0].message
     assert "for a CPU" in v.failures[0].message
+    from shardcheck.harness.controller.html_report import write_verdicts
+    from shardcheck.harness.controller.report import render_table
+
+    assert "0 failed, 0 skipped, 1 timed out (the machine was too slow" in render_table([v], result.info)
+    write_verdicts(str(tmp_path / "p.html"), {"summary": {"timeout": 1, "total": 1}}, [v], lambda _: 0)
+    assert "1 timed out" in (tmp_path / "p.html").read_text()

@@ -200,7 +200,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_json_report.py", "tests/test_verdict.py",
          "tests/test_faults.py::test_a_hang_names_the_rank_that_did_not_arrive_and_where_it_was",
          "tests/test_faults.py::test_the_rank_that_did_not_come_heads_the_verdict_when_replicas_finished",
-         "tests/test_faults.py::test_a_deadline_missed_while_waiting_for_a_cpu_is_a_timeout_not_the_targets",
+         "tests/test_faults.py::test_a_deadline_missed_while_waiting_for_a_cpu_is_the_machines_and_a_wrong_value_beside_it_the_targets",
          "tests/test_simulate.py::test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target"),
         "a verdict with a real finding beside a missed deadline is timed out (exit 3), not failed"),
 )
