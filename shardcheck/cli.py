@@ -608,28 +608,27 @@ def _repro(args: argparse.Namespace) -> int:
     if args.report:
         if args.target or args.suite or args.scenario_file:
             raise BadInput("--report names the target and scenario; give no --target, --suite or --scenario-file")
-        reported = repro.from_report(args.report, args.scenario)
-        spec, scenario, failure, inplace, layouts = (reported.spec, reported.scenario, reported.failure,
-                                                     reported.inplace, reported.layouts)
+        failed = repro.from_report(args.report, args.scenario)
     else:
         if not args.target:
             raise BadInput("give --report JSON, or --target with the scenario's --suite or --scenario-file")
         args.scenario = [args.scenario]
-        spec, (scenario,), failure, inplace, layouts = args.target, _select(args), None, True, {}
+        [scenario] = _select(args)
+        failed = repro.Reported(args.target, scenario, None, True, {}, None)
     _use_target_config(args)
     gave = args.target_src or args.target_opt or any(getattr(args, f"src_{n}", None) for n in source_names())
-    if args.report and reported.config is not None and not gave:  # the target as the run configured it
-        os.environ.update(reported.config.to_environment())
-    out = args.out or f"repro-{''.join(c if c.isalnum() or c in '-_' else '_' for c in scenario.name)}.py"
-    if os.path.exists(out):  # before any run: write() refuses it too
-        raise BadInput(f"--out {out} exists; give another path or remove it")
-    inplace, target = inplace and not args.no_inplace, resolve(spec)
-    refused = repro.refusal(target, scenario)
-    if refused:
-        raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
-    if repro.needs_layouts(target, scenario) and not layouts:  # the framework lays the rows out: learn where
-        layouts = _layouts_of_a_run(spec, scenario)
-    repro.write(out, repro.script_text(spec, target, scenario, failure, os.path.basename(out), inplace, layouts))
+    if failed.config is not None and not gave:  # the target as the run configured it
+        os.environ.update(failed.config.to_environment())
+    sc, spec = failed.scenario, failed.spec
+    out = args.out or f"repro-{''.join(c if c.isalnum() or c in '-_' else '_' for c in sc.name)}.py"
+    repro.refuse_existing(out)  # before any run (write refuses it too)
+    target = resolve(spec)
+    repro.refuse_unless_writable(spec, target, sc)
+    layouts = failed.layouts
+    if repro.needs_layouts(target, sc) and not layouts:  # the framework lays the rows out: learn where
+        layouts = _layouts_of_a_run(spec, sc)
+    repro.write(out, repro.script_text(spec, target, sc, failed.failure, os.path.basename(out),
+                                       failed.inplace and not args.no_inplace, layouts))
     print(f"wrote {out}: python {out}  (exit 1: found, 0: not found)")
     return EXIT_OK
 

@@ -39,7 +39,7 @@ class Reported:
 
     spec: str
     scenario: Scenario
-    failure: dict[str, Any]
+    failure: dict[str, Any] | None  # None: named by a scenario, not a report
     inplace: bool  # whether the run checked for inputs changed in place
     layouts: dict[int, dict[str, Any]]  # rank -> the rows a framework's data path built there (none: shardcheck's)
     config: TargetConfig | None  # the target's checkout and options in that run (older reports: None)
@@ -70,9 +70,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     ``inplace``: whether it checks for inputs changed in place (run --no-inplace: not);
     ``layouts``: the rows the target's data path built on each rank in a run (a report's, or a run's),
     where it lays them out."""
-    refused = refusal(target, scenario)
-    if refused:
-        raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
+    refuse_unless_writable(spec, target, scenario)
     sc, call = scenario, target.repro_call()
     built = needs_layouts(target, sc)
     built_by = data_path(target).name if built else None  # the framework's code lays the rows out
@@ -111,6 +109,13 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     return text
 
 
+def refuse_unless_writable(spec: str, target: Any, scenario: Scenario) -> None:
+    """BadInput (one line) when no script can be written for ``scenario`` on ``target``."""
+    refused = refusal(target, scenario)
+    if refused:
+        raise BadInput(f"target {spec!r}, scenario {scenario.name!r}: {refused}")
+
+
 def refusal(target: Any, scenario: Scenario) -> str | None:
     """Why no script can be written for ``scenario`` on ``target`` (None: one can)."""
     refused = target_refusal(target) or scenario_refusal(scenario)
@@ -143,13 +148,19 @@ def scenario_refusal(scenario: Scenario) -> str | None:
     return None
 
 
+def refuse_existing(path: str) -> None:
+    """BadInput when ``path`` is there: it is the user's, and left alone."""
+    if os.path.lexists(path):
+        raise BadInput(f"--out {path} exists; give another path or remove it")
+
+
 def write(path: str, text: str) -> None:
     """Write the script at ``path``; a file already there is the user's and is left alone."""
     try:
         with open(path, "x") as f:
             f.write(text)
     except FileExistsError:
-        raise BadInput(f"--out {path} exists; give another path or remove it") from None
+        refuse_existing(path)
     except OSError as exc:
         raise BadInput(f"--out {path}: {exc.strerror or exc}") from None
 
