@@ -32,7 +32,8 @@ def _generator(*key: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-LOSS_FORMS = ("weighted", "policy")
+LOSS_FORMS = ("weighted", "policy", "step")
+OBJECTIVES = ("sample_mean", "token_mean")
 MASKED_FRACTION = 0.15  # policy form: response tokens whose loss mask is 0
 
 
@@ -41,14 +42,22 @@ class ScenarioData:
 
     ``loss`` is the form of the loss whose gradient is checked (see :meth:`loss_weights`):
     "weighted" when the harness builds the loss from a target's outputs, "policy" when the
-    target computes a PPO policy loss itself from the advantages and loss masks given here.
+    target computes a PPO policy loss itself from the advantages and loss masks given here,
+    "step" when that loss runs in a training step over the scenario as the global batch, whose
+    ``objective`` ("sample_mean" or "token_mean") the target declares.
     """
 
-    def __init__(self, scenario: Scenario, loss: str = "weighted") -> None:
+    def __init__(self, scenario: Scenario, loss: str = "weighted", objective: str = "sample_mean",
+                 token_floor: int = 0) -> None:
         if loss not in LOSS_FORMS:
             raise ValueError(f"loss form must be one of {LOSS_FORMS}, got {loss!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         self.scenario = scenario
         self.loss = loss
+        self.objective = objective
+        self.token_floor = token_floor  # token_mean: each sample counts at least this many
+        self._masked_in: int | None = None
         self.dtype = torch_dtype(scenario.dtype)
         self.tail_stream = len(scenario.samples)
         self._token_cache: dict[int, torch.Tensor] = {}
@@ -138,11 +147,21 @@ class ScenarioData:
         loss = sum(w_logprob * logp) - entropy_coef * sum(w_entropy * entropy).
 
         "weighted": independent uniform weights in [-1, 1].
+        "step": the same PPO loss reduced over the whole scenario, the global batch, by the
+        objective: "sample_mean" divides sample i's terms by D_i * n (n samples), "token_mean" by
+        the masked-in tokens of every sample.
         "policy": the per-sample token mean of a PPO policy loss at ratio 1 (old log-probs equal
         to the current ones, so no clipping acts; KL off): with advantages A, loss mask m and
         D = max(sum m, 1), loss = sum(-A * m / D * ratio) - entropy_coef * sum(m / D * entropy),
         whose gradient is that of w_logprob = -A * m / D, w_entropy = m / D.
         """
+        if self.loss == "step":  # the global objective: the same PPO loss, reduced over the whole batch
+            mask = self.loss_mask(sample).float()
+            if self.objective == "token_mean":
+                denom = float(self.masked_in_tokens())
+            else:
+                denom = float(mask.sum().clamp_min(1)) * len(self.scenario.samples)
+            return -self.advantages(sample) * mask / denom, mask / denom
         if self.loss == "policy":
             mask = self.loss_mask(sample).float()
             denom = mask.sum().clamp_min(1)
@@ -151,6 +170,14 @@ class ScenarioData:
         g = _generator(s.seed, "weights", data_id(s, sample))
         w = torch.rand((2, s.samples[sample].response), generator=g, dtype=torch.float32) * 2 - 1
         return w[0].clone(), w[1].clone()
+
+    def masked_in_tokens(self) -> int:
+        """The response tokens of every sample whose loss mask is 1, each sample counting at least
+        ``token_floor`` (and the whole at least 1): a token mean's denominator over the global batch."""
+        if self._masked_in is None:
+            self._masked_in = max(1, sum(max(int(self.loss_mask(i).sum()), self.token_floor)
+                                         for i in range(len(self.scenario.samples))))
+        return self._masked_in
 
     def advantages(self, sample: int) -> torch.Tensor:
         """Per response token advantages, float32 in [-1, 1] (the policy loss form)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardcheck.errors import BadInput
+from shardcheck.scenarios.batch import replica_micro_batches, token_budget_split
 
 LAYOUTS = ("thd", "bshd", "zigzag", "allgather")
 CP_LAYOUTS = ("zigzag", "allgather")
@@ -68,6 +69,14 @@ class Scenario:
     # as (name, value) pairs sorted by name; JSON: an object. Empty: the framework's defaults. A
     # target whose data path has no such knob skips the scenario with the reason.
     layout_knobs: tuple[tuple[str, Any], ...] = ()
+    # the training step (scenarios.batch): the samples are the global batch, split over ``dp``
+    # data-parallel replicas (the world is dp x tp x cp), each replica's share into micro-batches of
+    # ``micro_batch_size`` samples (0: one micro-batch) or, with ``micro_batch_tokens``, of at most
+    # that many tokens (dynamic batching). A target whose loss is not a training step's
+    # (loss_form "step") skips a scenario that sets any of them.
+    dp: int = 1
+    micro_batch_size: int = 0
+    micro_batch_tokens: int = 0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -83,7 +92,8 @@ class Scenario:
         d = dataclasses.asdict(self)
         d["samples"] = [[s.total, s.response] + ([s.data_id] if s.data_id not in (None, i) else [])
                          for i, s in enumerate(self.samples)]
-        for name, off in (("top_k", 0), ("top_p", 1.0), ("keep_sets", None), ("layout_knobs", ())):
+        for name, off in (("top_k", 0), ("top_p", 1.0), ("keep_sets", None), ("layout_knobs", ()), ("dp", 1),
+                          ("micro_batch_size", 0), ("micro_batch_tokens", 0)):
             # written when on: older keys hold
             if d[name] == off:
                 del d[name]
@@ -136,13 +146,36 @@ class Scenario:
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.cp
+        """The ranks one copy of the scenario takes: dp x tp x cp."""
+        return self.dp * self.tp * self.cp
+
+    @property
+    def step(self) -> bool:
+        """Whether the scenario asks for a training step: several replicas or micro-batches."""
+        return self.dp > 1 or self.micro_batch_size > 0 or self.micro_batch_tokens > 0
+
+    def micro_batches(self, replica: int) -> list[tuple[int, ...]]:
+        """The sample indices of each micro-batch data-parallel replica ``replica`` runs, in order
+        (:mod:`shardcheck.scenarios.batch`)."""
+        return replica_micro_batches([s.total for s in self.samples], self.dp, replica, self.micro_batch_size,
+                                     self.micro_batch_tokens)
+
+    def micro_batch(self, samples: tuple[int, ...]) -> Scenario:
+        """One micro-batch as a scenario of its own: those samples (their data unchanged: each
+        keeps its data_id), the same layout and settings, no training step."""
+        picked = tuple(Sample(self.samples[i].total, self.samples[i].response, data_id(self, i)) for i in samples)
+        keep = tuple(self.keep_sets[i] for i in samples) if self.keep_sets is not None else None
+        return dataclasses.replace(self, samples=picked, keep_sets=keep, dp=1, micro_batch_size=0,
+                                   micro_batch_tokens=0)
 
     def summary(self) -> str:
         lengths = ",".join(f"{s.total}/{s.response}" for s in self.samples[:4])
         more = f",+{len(self.samples) - 4}" if len(self.samples) > 4 else ""
         knobs = "".join(f" {k}={v}" for k, v in self.layout_knobs)
-        return f"{self.layout} tp={self.tp} cp={self.cp} V={self.vocab} [{lengths}{more}]{knobs}"
+        step = (f" dp={self.dp}" if self.dp > 1 else "") + (f" mbs={self.micro_batch_size}" if self.micro_batch_size
+                                                            else "") + (
+            f" mbt={self.micro_batch_tokens}" if self.micro_batch_tokens else "")
+        return f"{self.layout} tp={self.tp} cp={self.cp}{step} V={self.vocab} [{lengths}{more}]{knobs}"
 
 
 def _as_sample(value: Any, name: str) -> Sample:
@@ -240,6 +273,32 @@ def chunk_size_problem(chunk_size: Any) -> str | None:
     return None
 
 
+def step_problem(s: Scenario) -> str | None:
+    """What is wrong with a scenario's training step (dp, micro-batch rule), or None."""
+    if s.dp < 1:
+        return f"dp must be >= 1, got {s.dp}"
+    if s.micro_batch_size < 0 or s.micro_batch_tokens < 0:
+        return "micro_batch_size and micro_batch_tokens must be >= 0 (0: off)"
+    if s.micro_batch_size and s.micro_batch_tokens:
+        return ("micro_batch_size and micro_batch_tokens are two rules for splitting a replica's samples (a fixed "
+                "size, a token budget): give one")
+    n = len(s.samples)
+    if n % s.dp:
+        return f"{n} samples cannot be split evenly over dp {s.dp} replicas"
+    if s.micro_batch_size and (n // s.dp) % s.micro_batch_size:
+        return (f"a replica's {n // s.dp} samples cannot be split into micro-batches of {s.micro_batch_size} "
+                f"(global batch {n} = dp {s.dp} x micro_batch_size x micro-batches)")
+    if s.micro_batch_tokens:
+        longest = max(smp.total for smp in s.samples)
+        if longest > s.micro_batch_tokens:
+            return f"a sample of {longest} tokens does not fit micro_batch_tokens {s.micro_batch_tokens}"
+        try:
+            token_budget_split([smp.total for smp in s.samples], s.dp, s.micro_batch_tokens)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -291,7 +350,7 @@ def validate(s: Scenario) -> None:
     if len(set(ids)) != len(ids):
         dup = next(x for x in ids if ids.count(x) > 1)
         raise bad(f"two samples carry data_id {dup} (a sample's data_id defaults to its index)")
-    for fname in ("vocab", "tp", "cp", "log_probs_chunk_size", "seed"):
+    for fname in ("vocab", "tp", "cp", "log_probs_chunk_size", "seed", "dp", "micro_batch_size", "micro_batch_tokens"):
         if not _is_int(getattr(s, fname)):
             raise bad(f"{fname} must be an integer, got {getattr(s, fname)!r}")
     if s.vocab < 1:
@@ -311,6 +370,9 @@ def validate(s: Scenario) -> None:
         raise bad(f"tp and cp must be >= 1, got tp={s.tp} cp={s.cp}")
     if s.vocab % s.tp:
         raise bad(f"vocab {s.vocab} is not divisible by tp {s.tp}")
+    problem = step_problem(s)
+    if problem:
+        raise bad(problem)
     if s.layout not in LAYOUTS:
         raise bad(f"layout {s.layout!r} is not one of {', '.join(LAYOUTS)}")
     for problem in (layout_problem(s.layout, s.cp), entropy_problem(s.with_entropy, s.entropy_coef),

@@ -11,7 +11,9 @@ Per (layout, tp, cp), four scenarios:
 - ``replay``: replayed top-p / top-k keep sets (processed log-probs, slime's definition: the
   log-prob renormalised over the set, the target always kept, the entropy over the whole
   vocabulary), with a response whose first scored row starts a CP chunk at cp 2 and at cp 4.
-A few more try half precision and larger vocabularies.
+A few more try half precision and larger vocabularies, and four cells are whole training steps
+(dp 2, several micro-batches: scenarios.training), which a target whose loss is not a training
+step's skips.
 """
 
 from __future__ import annotations
@@ -78,13 +80,15 @@ def logprob() -> list[Scenario]:
     """the smoke grid without entropy (for log-prob-only targets such as megatron)"""
     return [
         dataclasses.replace(sc, name=f"{sc.name}-logprob", with_entropy=False, entropy_coef=0.0)
-        for sc in smoke()
+        for sc in _grid() + _extras()
     ]
 
 
 def smoke() -> list[Scenario]:
-    """every layout at every (tp, cp) it allows on 4 ranks, with the edge shapes"""
-    return _grid() + _extras()
+    """every layout at every (tp, cp) it allows on 4 ranks, with the edge shapes, and training steps"""
+    from shardcheck.scenarios.training import smoke_steps
+
+    return _grid() + _extras() + smoke_steps()
 
 
 def large() -> list[Scenario]:

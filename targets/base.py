@@ -8,6 +8,13 @@ A scenario outside a target's capabilities is reported as skipped with the reaso
 A target whose code under test is a whole loss (a policy loss that calls the log-prob code
 itself) sets ``loss_form = "policy"``: it then gets :class:`PolicyBatch` inputs, returns its own
 scalar ``loss`` in :class:`RankOutputs`, and the harness checks that loss and its gradient.
+
+A target whose loss is the one a training step hands megatron-core's schedule sets
+``loss_form = "step"``: the harness runs the whole step around it (docs/training.md). Each
+micro-batch's ``compute`` gets :class:`PolicyBatch` inputs and :class:`StepInputs`, and returns
+its loss as megatron-core's loss function does (``loss``, and ``num_tokens`` for the per-token
+form); the harness checks the gradient the optimizer sees against the objective the target
+declares (:class:`Definitions` ``objective``).
 """
 
 from __future__ import annotations
@@ -142,6 +149,24 @@ class PolicyBatch:
     loss_masks: list[torch.Tensor]
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """Where a micro-batch stands in its training step (``loss_form = "step"`` only): what a
+    framework's loss function is told by its training loop.
+
+    ``samples``: the global indices of the micro-batch's samples; ``global_batch_size``: the
+    samples of the whole step over every data-parallel replica (what slime calls
+    ``step_global_batch_size``); ``dp_size``/``dp_rank``: megatron-core's data-parallel group.
+    """
+
+    micro_batch: int
+    num_microbatches: int
+    global_batch_size: int
+    dp_size: int
+    dp_rank: int
+    samples: tuple[int, ...]
+
+
 @dataclass
 class Rollout:
     """The rollout-level batch a framework's data path receives, before it packs, pads, splits
@@ -195,6 +220,15 @@ class Definitions:
     loss_over: str = "share"
     loss_source: str = ""
     entropy_over: str | None = None
+    # loss_form "step": the objective over the whole global batch whose gradient the optimizer
+    # must see: "sample_mean" (each sample's masked token mean, averaged over the samples) or
+    # "token_mean" (every masked-in token of the global batch weighs the same); the source names
+    # the framework's own knob, e.g. "slime's calculate_per_token_loss=False"
+    objective: str = ""
+    objective_source: str = ""
+    # token_mean: each sample counts at least this many tokens in the denominator (slime's
+    # clamp_min(loss_mask.sum(), 1): a sample whose every token is masked counts one)
+    token_floor: int = 0
 
     @property
     def entropy_loss_over(self) -> str:
@@ -203,6 +237,11 @@ class Definitions:
 
     def describe(self) -> dict[str, str]:
         out: dict[str, str] = {}
+        if self.objective:
+            floor = (f"; a sample counts at least {self.token_floor} token{'s' if self.token_floor > 1 else ''} in the "
+                     "count" if self.token_floor and self.objective == "token_mean" else "")
+            out["objective"] = (f"{OBJECTIVES[self.objective]} ({self.objective_source or 'the target'}{floor}), over "
+                                "the global batch, as the optimizer sees it after the training step")
         if self.entropy_sign != 1:
             out["entropy"] = (f"sum p log p, the negative entropy ({self.entropy_source}); the reference's entropy "
                               "and its gradient are negated to match")
@@ -220,6 +259,12 @@ class Definitions:
             out["loss"] = (f"with CP each rank's {held} on the tokens its own rows score, as the layout put them "
                            f"({self.loss_source or 'the framework'}), the loss over those")
         return out
+
+
+OBJECTIVES = {
+    "sample_mean": "each sample's masked token mean, averaged over the samples",
+    "token_mean": "the mean over every masked-in token of the global batch",
+}
 
 
 def definitions(target: Any) -> Definitions:
@@ -381,6 +426,8 @@ class RankInputs:
     # the rollout batch, for a target with its own data path (``data_path``): it runs its
     # framework's code on it (the logits above are laid out as that code lays out the rows)
     rollout: Rollout | None = None
+    # loss_form "step": the micro-batch's place in the training step
+    step: StepInputs | None = None
 
     def row_labels(self) -> torch.Tensor:
         """The next token each local logit row predicts, rows flattened (``logits.view(-1, V/tp)``;
@@ -420,18 +467,34 @@ class RankOutputs:
     entropy: list[torch.Tensor | None] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+    # loss_form "step": what megatron-core's loss function returns besides the loss. ``num_tokens``
+    # (a tensor) makes it the 3-tuple form (loss, num_tokens, reported), None the 2-tuple form
+    # (loss, reported); ``reported`` is what it logs
+    num_tokens: Any = None
+    reported: dict[str, Any] | None = None
 
 
 def loss_form(target: Any) -> str:
-    """"weighted" (the harness builds the loss) unless the target says "policy"."""
+    """"weighted" (the harness builds the loss) unless the target says "policy" or "step"."""
     return getattr(target, "loss_form", "weighted")
+
+
+def step_skip_reason(target: Any, scenario: Scenario) -> str | None:
+    """Why ``target`` cannot run ``scenario``'s training step (its loss is not a training
+    step's), or None."""
+    if scenario.step and loss_form(target) != "step":
+        count = len(scenario.micro_batches(0))
+        return (f"a training step (dp {scenario.dp}, {count} micro-batch{'es' if count > 1 else ''} a replica), and "
+                f"{getattr(target, 'name', 'this target')}'s loss is not one (a target with loss_form 'step' runs it: "
+                "docs/training.md)")
+    return None
 
 
 @runtime_checkable
 class Target(Protocol):
     name: str
     capabilities: Capabilities
-    # optional: loss_form = "policy" (see the module docstring)
+    # optional: loss_form = "policy" or "step" (see the module docstring)
     # optional: invariance = {"packing": "bitwise", "tp": "ulp:8", ...}, the contract that
     # ``shardcheck invariance`` holds the target to (its axes: ``shardcheck invariance --help``)
 

@@ -337,17 +337,11 @@ class BuiltinTarget:
             parts.append(self.contribution(value, before, response))
             seq_start += total
         full = _AllReduceSum.apply(torch.cat(parts), inputs.cp_group, self)
-        c, r = inputs.cp_size, inputs.cp_rank
         shares = []
         for resp, total, response in zip(full.split(inputs.response_lengths), inputs.total_lengths,
                                          inputs.response_lengths):
-            k = (total + 2 * c - 1) // (2 * c)
-            first = total - response - 1
-            pieces = []
-            for chunk in (r, 2 * c - 1 - r):
-                a, b = max(chunk * k, first), min((chunk + 1) * k, total - 1)
-                pieces.append(resp[a - first : b - first] if a < b else resp[:0])
-            shares.append(torch.cat(pieces))
+            ranges = share_ranges(total, response, inputs.cp_size, inputs.cp_rank)
+            shares.append(torch.cat([resp[a:b] for a, b in ranges]))
         return shares
 
     def repro_call(self) -> str | None:
@@ -379,3 +373,17 @@ def call_code_under_test(logits, rank):
     out = builtin(rank.variant).compute(RankInputs(logits=logits, **given))
     return out.log_probs, out.entropy
 '''
+
+
+def share_ranges(total: int, response: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """The response tokens a CP rank returns for one sample, as [a, b) ranges of token indices:
+    the tokens its two zigzag chunks (rows of ceil(total / 2cp)) score; the whole response at cp 1."""
+    if cp == 1:
+        return [(0, response)]
+    k = (total + 2 * cp - 1) // (2 * cp)
+    first = total - response - 1  # the row scoring the first response token
+    ranges = []
+    for chunk in (cp_rank, 2 * cp - 1 - cp_rank):
+        a, b = max(chunk * k, first), min((chunk + 1) * k, total - 1)
+        ranges.append((a - first, b - first) if a < b else (0, 0))
+    return ranges

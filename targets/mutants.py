@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardcheck.targets.base import RankInputs
 from shardcheck.targets.builtin import BuiltinTarget
+from shardcheck.targets.builtin_loss import LOSSES, describe_variants
 
 
 class Mutant(BuiltinTarget):
@@ -303,6 +304,10 @@ def builtin(variant: str | None = None) -> BuiltinTarget:
         target = traced(BuiltinTarget())
         target.name = f"builtin:{TRACED}"
         return target
+    if variant in LOSSES:  # the training step's loss and its planted bugs (targets/builtin_loss.py)
+        loss = LOSSES[variant]()
+        loss.name = f"builtin:{variant}"
+        return loss
     if variant not in MUTANTS:
         raise ValueError(f"builtin has no variant {variant!r}")
     target = MUTANTS[variant]()
@@ -310,6 +315,6 @@ def builtin(variant: str | None = None) -> BuiltinTarget:
     return target
 
 
-builtin.variants = {name: " ".join((cls.__doc__ or "").split()) for name, cls in MUTANTS.items()} | {  # type: ignore[attr-defined]
+builtin.variants = {name: " ".join((cls.__doc__ or "").split()) for name, cls in MUTANTS.items()} | describe_variants() | {  # type: ignore[attr-defined]
     TRACED: "builtin, its rows laid out by shardcheck's own layout run as a framework's data path and learned "
             "through the position trace (proves the trace: must pass wherever builtin does)"}  # type: ignore[attr-defined]

@@ -106,7 +106,7 @@ BACKGROUND = {"smoke-cli": (_smoke_cli, 600)}
 @pytest.fixture
 def smoke_cli(background) -> SmokeRun:
     """``shardcheck run --suite smoke`` through the command line, once a session (its checks in
-    tests/test_run.py, its HTML page opened in tests/test_html_browser.py): 64 scenarios."""
+    tests/test_run.py, its HTML page opened in tests/test_html_browser.py): 68 scenarios, 4 of them training steps the builtin skips."""
     return background("smoke-cli")
 
 

@@ -31,7 +31,7 @@ def test_suites_and_targets_listings(cli_in_process):
     proc = cli_in_process("suites")
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0
-    assert any(ln.startswith("smoke") and "64 scenarios" in ln for ln in lines), proc.stdout
+    assert any(ln.startswith("smoke") and "68 scenarios" in ln for ln in lines), proc.stdout
     assert any(ln.startswith("regressions") for ln in lines), proc.stdout
     proc = cli_in_process("targets")
     assert proc.returncode == 0 and any(ln.startswith("builtin ") for ln in proc.stdout.splitlines()), proc.stdout

@@ -4,7 +4,7 @@ skip with that reason) opens the page and what a person sees in it is checked. T
 are kept (``SHARDCHECK_ARTIFACTS``, else the test's temporary folder).
 
 Over 20 s: run before tests/test_run.py (as CI runs them), it pays for the session's smoke run
-through the command line (64 scenarios, shared with test_run); Chromium starts six times."""
+through the command line (68 scenarios, shared with test_run); Chromium starts six times."""
 
 import os
 import re

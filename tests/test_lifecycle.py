@@ -31,7 +31,10 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
         deadline = time.time() + 180
         while time.time() < deadline and proc.poll() is None:
             try:  # read while it is written: a partial read is retried
-                if report.exists() and len(json.loads(report.read_text()).get("scenarios", [])) >= 3:
+                # run, not skipped: the smoke suite's training steps are skipped before a rank starts
+                ran = [v for v in json.loads(report.read_text()).get("scenarios", []) if v["verdict"] != "skip"] \
+                    if report.exists() else []
+                if len(ran) >= 3:
                     break
             except json.JSONDecodeError:
                 pass
@@ -49,7 +52,7 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
         assert not any(alive(p) for p in ranks), "rank processes outlived the controller"
         doc = json.loads(report.read_text())
         assert len(doc["scenarios"]) >= 3 and doc["complete"] is False
-        assert all(v["verdict"] == "pass" for v in doc["scenarios"])
+        assert all(v["verdict"] in ("pass", "skip") for v in doc["scenarios"])
         if sig == signal.SIGTERM:  # handled as Ctrl-C is: the table, its own status, nothing left behind
             stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
             assert proc.returncode == 143 and "shardcheck: terminated" in stderr, (proc.returncode, stderr)

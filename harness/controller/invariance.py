@@ -44,7 +44,7 @@ from shardcheck.harness.controller.verdict import INVARIANCE_VIOLATION, Failure,
 from shardcheck.harness.controller.worlds import World
 from shardcheck.scenarios.scenario import CP_LAYOUTS, Sample, Scenario, data_id
 from shardcheck.harness.wire import Checks
-from shardcheck.targets.base import knob_skip_reason
+from shardcheck.targets.base import knob_skip_reason, step_skip_reason
 
 AXES = ("rerun", "tp", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")
 QUANTITIES = ("log_probs", "entropy", "grad")
@@ -395,7 +395,8 @@ class Invariance:
             vs = variants(axis, base, self.world_size)
             for v in vs:
                 if v.scenario is not None and v.skip is None:
-                    v.skip = (self.target.capabilities.skip_reason(v.scenario)
+                    v.skip = (step_skip_reason(self.target, v.scenario)
+                              or self.target.capabilities.skip_reason(v.scenario)
                               or knob_skip_reason(self.target, v.scenario))
             runnable = [v for v in vs if v.skip is None]
             row = self.result.matrix[axis]

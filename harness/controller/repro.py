@@ -24,7 +24,8 @@ from shardcheck.harness.controller import repro_script
 from shardcheck.harness.rank.compare import TOLERANCES
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios.scenario import Scenario, data_id
-from shardcheck.targets.base import TargetConfig, data_path, definitions, knob_skip_reason, loss_form, resolved_knobs
+from shardcheck.targets.base import (TargetConfig, data_path, definitions, knob_skip_reason, loss_form, resolved_knobs,
+                                     step_skip_reason)
 
 MAX_LINES = 300  # the issue's promise: a reader takes it in at one sitting
 _STUB = '''def call_code_under_test(logits, rank):  # written above by shardcheck repro
@@ -121,7 +122,8 @@ def refusal(target: Any, scenario: Scenario) -> str | None:
     refused = target_refusal(target) or scenario_refusal(scenario)
     if refused:
         return refused
-    skipped = target.capabilities.skip_reason(scenario) or knob_skip_reason(target, scenario)
+    skipped = (step_skip_reason(target, scenario) or target.capabilities.skip_reason(scenario)
+               or knob_skip_reason(target, scenario))
     if skipped:
         return f"the target skips it ({skipped})"
     defined = definitions(target)

@@ -16,7 +16,7 @@ from shardcheck.harness import wire
 from shardcheck.harness.wire import EXPLAIN, ROOT_CAUSES, Checks
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
-from shardcheck.targets.base import TargetConfig, data_path, knob_skip_reason
+from shardcheck.targets.base import TargetConfig, data_path, knob_skip_reason, step_skip_reason
 
 
 class Reporter(Protocol):
@@ -124,9 +124,10 @@ def run(
     skips: dict[int, str] = {}  # by place in the list: two scenarios may share a name
     for i, sc in enumerate(scenarios):
         knobs = knob_skip_reason(target, sc)  # first: a knob value it cannot take is bad input, skipped or not
-        reason = target.capabilities.skip_reason(sc) or knobs
+        reason = step_skip_reason(target, sc) or target.capabilities.skip_reason(sc) or knobs
         if reason is None and given is not None and given % sc.ranks:
-            reason = f"needs tp*cp={sc.ranks} ranks to divide the world size {given}"
+            sizes = f"dp*tp*cp={sc.ranks}" if sc.dp > 1 else f"tp*cp={sc.ranks}"
+            reason = f"needs {sizes} ranks to divide the world size {given}"
         if reason is not None:
             skips[i] = reason
     runnable = [(i, sc) for i, sc in enumerate(scenarios) if i not in skips]

@@ -290,3 +290,67 @@ class ReferenceComparison(Check):
     def after_backward(self, life: Life) -> None:
         life.add(compare_grad(life.layout, life.data, life.grad, life.rank, life.reference_device,
                               life.definitions.entropy_sign))
+
+    def after_step(self, life: Life) -> None:
+        failures, worst = compare_grad(life.layout, life.data, life.grad, life.rank, life.reference_device,
+                                       life.definitions.entropy_sign)
+        if failures:
+            failures.insert(0, step_scale_failure(life))
+        life.add((failures, {"step_grad": worst["grad"]}))
+
+
+def step_scale_failure(life: Life) -> Failure:
+    """What a training step's gradient is off by: one factor on every row, named by the step's
+    sizes where it is one of them ("x 0.500 = 1 / cp"), or a factor per sample."""
+    sc = life.scenario
+    source = shard.PieceRows(life.data, life.layout.pieces)
+    targets, w_lp, w_ent = shard.row_targets_and_weights(life.data, life.layout)
+    want = torch.cat([chunk for _, chunk in loss_grad_chunks(
+        source, targets, w_lp, w_ent * life.definitions.entropy_sign if sc.with_entropy else None,
+        entropy_coef=sc.entropy_coef, temperature=sc.temperature, columns=slice(*life.layout.columns),
+        device=life.reference_device)]).cpu()
+    got = life.grad.detach().reshape(want.shape).cpu().double()
+    tol = TOLERANCES[sc.dtype]["grad"]
+    factor = clean_factor(got, want, tol)
+    where = "the step's gradient (DDP's main_grad, what the optimizer sees)"
+    if factor is not None:
+        named = factor_names(factor, life.step or {})
+        return Failure(GRAD_MISMATCH, f"{where} is x {factor:.3f} the reference's on every row"
+                       + (f" (= {named})" if named else "") + f": {life.definitions.objective or 'sample_mean'} "
+                       "scaled wrong", [life.rank], field="grad", details={"factor": factor, "named": named})
+    per_sample = []
+    for i, p in enumerate(life.layout.pieces):
+        start = sum(q.rows for q in life.layout.pieces[:i])
+        f = clean_factor(got[start:start + p.rows], want[start:start + p.rows], tol)
+        per_sample.append("?" if f is None else f"{f:.3f}")
+    listed = ", ".join(f"sample {i} x {f}" for i, f in enumerate(per_sample[:MAX_LISTED]))
+    more = f", +{len(per_sample) - MAX_LISTED} more" if len(per_sample) > MAX_LISTED else ""
+    return Failure(GRAD_MISMATCH, f"{where} is off by no one factor: {listed}{more} (not the declared "
+                   f"{life.definitions.objective or 'sample_mean'})", [life.rank], field="grad",
+                   details={"sample_factors": per_sample})
+
+
+def clean_factor(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> float | None:
+    """The one factor r with got = r * want within ``tol`` everywhere, or None."""
+    norm = float((want * want).sum())
+    if norm == 0.0 or not bool(torch.isfinite(got).all()):
+        return None
+    r = float((got * want).sum()) / norm
+    if r == 0.0 or bool(mismatch_mask(got, want * r, tol).any()):
+        return None
+    return r
+
+
+def factor_names(factor: float, sizes: dict[str, int]) -> str:
+    """The step's sizes (or their reciprocals) equal to ``factor``, as "cp" or "1 / num_microbatches"."""
+    candidates = {"cp": sizes.get("cp_size", 1), "dp": sizes.get("dp_size", 1), "tp": sizes.get("tp_size", 1),
+                  "num_microbatches": sizes.get("micro_batches", 1)}
+    if candidates["dp"] > 1 and candidates["cp"] > 1:  # DDP's average over the data-parallel and CP ranks
+        candidates["dp x cp"] = candidates["dp"] * candidates["cp"]
+    names = []
+    for name, value in candidates.items():
+        if value > 1 and abs(factor - value) <= 1e-3 * value:
+            names.append(name)
+        elif value > 1 and abs(factor - 1 / value) <= 1e-3 / value:
+            names.append(f"1 / {name}")
+    return " = ".join(names)

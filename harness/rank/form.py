@@ -229,7 +229,7 @@ class OutputForm(Check):
             return
         sc = life.scenario
         malformed = form_problems(life.outputs, life.inputs.logits, sc.with_entropy, sc.entropy_coef,
-                                  life.form == "policy", site, life.rank, self.cuts)
+                                  life.form in ("policy", "step"), site, life.rank, self.cuts)
         life.found += malformed
         self.detached = [f for f in malformed if f.details["malformed"] == "detached"]
         if any(f.details["malformed"] == "device" for f in malformed):  # its values cannot be read here

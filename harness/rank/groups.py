@@ -147,6 +147,10 @@ def dp_rank() -> int:
     return _ps().get_data_parallel_rank()
 
 
+def dp_size() -> int:
+    return _ps().get_data_parallel_world_size()
+
+
 def member_groups() -> list[str]:
     """The names of the groups this rank belongs to (tp, cp, dp and the world), as the trace
     names a call's group; [] before the groups are configured."""

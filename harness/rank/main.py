@@ -38,6 +38,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")  # megatron-core's, as the harness imports it
     # torch's deprecation notices about the API a target calls are the target's business
     warnings.filterwarnings("ignore", category=FutureWarning)
     # On a timeout the controller asks where every rank stands before it ends them.
@@ -251,33 +252,13 @@ class RankRunner:
             reached=reached or None,
         )
 
-    def _run(self, scenario_dict: dict[str, Any], spec: str, frame: Any, pipeline: Any) -> tuple[dict, dict | None]:
-        """The scenario's steps; findings go into the frame's ``found`` and ``errors`` as they are
-        made, so a step that raises (the backward) does not hide what the earlier ones found."""
-        import torch
-
+    def rank_inputs(self, sc: Any, data: Any, layout: Any, logits: Any, form: str, rollout: Any) -> Any:
+        """What this rank hands the target for ``sc`` laid out as ``layout``, with ``logits``."""
         from shardcheck.harness.rank import groups, shard
-        from shardcheck.harness.rank.data_path import layout_for, layout_payload
-        from shardcheck.harness.rank.loss import policy_gradients, share_gradients
-        from shardcheck.harness.rank.model_stand_in import model_output
-        from shardcheck.harness.rank.pipeline import Life
-        from shardcheck.scenarios import Scenario
-        from shardcheck.scenarios.data import ScenarioData
-        from shardcheck.targets import RankInputs, loss_form
-        from shardcheck.targets.base import definitions, description
+        from shardcheck.targets import RankInputs
 
-        sc = Scenario.from_dict(scenario_dict)
-        target = self.target(spec)
-        groups.configure(sc.tp, sc.cp)
-        form = loss_form(target)
-        data = ScenarioData(sc, loss=form)
-        layout, rollout, moved = layout_for(target, data, groups.tp_rank(), groups.cp_rank(), self.rank)
-        self.layout = layout_payload(layout)
-        frame.found += moved
-        leaf = shard.local_logits(data, layout).to(self.device).requires_grad_()
-        inputs = RankInputs(
-            # a non-leaf activation, as a model's output is: autograd lets a target write into it
-            logits=model_output(leaf, target, sc.cp, groups.cp_group()),
+        return RankInputs(
+            logits=logits,
             tokens=[data.tokens(i) for i in range(len(sc.samples))],
             total_lengths=[s.total for s in sc.samples],
             response_lengths=[s.response for s in sc.samples],
@@ -300,6 +281,38 @@ class RankRunner:
             top_p=float(sc.top_p),
             rollout=rollout,
         )
+
+    def _run(self, scenario_dict: dict[str, Any], spec: str, frame: Any, pipeline: Any) -> tuple[dict, dict | None]:
+        """The scenario's steps; findings go into the frame's ``found`` and ``errors`` as they are
+        made, so a step that raises (the backward) does not hide what the earlier ones found."""
+        import torch
+
+        from shardcheck.harness.rank import groups, shard
+        from shardcheck.harness.rank.data_path import layout_for, layout_payload
+        from shardcheck.harness.rank.loss import policy_gradients, share_gradients
+        from shardcheck.harness.rank.model_stand_in import model_output
+        from shardcheck.harness.rank.pipeline import Life
+        from shardcheck.scenarios import Scenario
+        from shardcheck.scenarios.data import ScenarioData
+        from shardcheck.targets import loss_form
+        from shardcheck.targets.base import definitions, description
+
+        sc = Scenario.from_dict(scenario_dict)
+        target = self.target(spec)
+        groups.configure(sc.tp, sc.cp)
+        form = loss_form(target)
+        if form == "step":  # the whole training step around the target (harness/rank/training_step.py)
+            from shardcheck.harness.rank.training_step import run_step
+
+            step = run_step(self, sc, target, frame, pipeline)
+            return {**description(target), "training_step": step}, None
+        data = ScenarioData(sc, loss=form)
+        layout, rollout, moved = layout_for(target, data, groups.tp_rank(), groups.cp_rank(), self.rank)
+        self.layout = layout_payload(layout)
+        frame.found += moved
+        leaf = shard.local_logits(data, layout).to(self.device).requires_grad_()
+        # a non-leaf activation, as a model's output is: autograd lets a target write into it
+        inputs = self.rank_inputs(sc, data, layout, model_output(leaf, target, sc.cp, groups.cp_group()), form, rollout)
         # the reference follows the target's definitions: its entropy's sign, and what it owes
         # (its share, the tokens its rows score, or with CP every token: the loss over the
         # gathered sequence / cp on each rank)

@@ -11,6 +11,13 @@ The life, in order (the names of the points a check may hook into):
 - ``after_backward``: the logits' gradient is there (``life.grad``);
 - ``result``: the last word, e.g. what goes back besides the findings (``life.produced``).
 
+A target whose loss is a training step's (``loss_form = "step"``, harness/rank/training_step.py)
+lives each micro-batch up to ``after_forward`` (megatron-core's schedule runs the backward), and
+the step as a whole reaches one point of its own:
+
+- ``after_step``: the gradient the optimizer sees is there (``life.grad``, the stand-in model's
+  ``main_grad`` after DDP; ``life.layout`` its rows, ``life.data`` the global batch).
+
 A check is a :class:`Check` in a module of its own that implements the points it needs and adds
 what it finds to ``life.found`` (``life.errors`` for the worst error per field); the rank's
 core (``main.RankRunner``) calls every check at every point and knows nothing of what they look
@@ -38,7 +45,8 @@ from typing import Any
 from shardcheck.harness.wire import Checks, Failure
 
 EXTRA_ENV = "SHARDCHECK_CHECKS"
-POINTS = ("inputs_made", "forward", "after_forward", "before_backward", "backward", "after_backward", "result")
+POINTS = ("inputs_made", "forward", "after_forward", "before_backward", "backward", "after_backward", "result",
+          "after_step")
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Life:
     errors: dict[str, float] = field(default_factory=dict)
     produced: dict[str, Any] | None = None
     stopped: bool = False
+    step: dict[str, Any] | None = None  # the training step's sizes (micro_batches, dp_size, cp_size, tp_size)
 
     def stop(self) -> None:
         """Nothing more can be read or differentiated: the later points are not reached."""
@@ -131,6 +140,8 @@ class Check:
     def after_backward(self, life: Life) -> None: ...
 
     def result(self, life: Life) -> None: ...
+
+    def after_step(self, life: Life) -> None: ...
 
     # the frame
     def begin(self, frame: Frame) -> None: ...

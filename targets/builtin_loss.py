@@ -1,0 +1,171 @@
+"""shardcheck's own training-step loss (``builtin:loss``, ``builtin:loss_token_mean``) and the
+bugs planted in it: what a framework on megatron-core writes around its log-probs.
+
+Per micro-batch it computes the builtin's log-probs and entropy, a PPO policy loss over them
+(the importance ratio against the old log-probs, the advantages, the loss masks, an entropy
+bonus) and reduces it for megatron-core's schedule, as slime's ``loss_function`` does:
+
+- ``sample_mean`` (slime's default, ``calculate_per_token_loss=False``): each sample's masked
+  terms over its masked-in count, summed over the micro-batch, times
+  ``num_microbatches / global_batch_size * dp_cp``. The schedule divides by
+  ``num_microbatches`` and DDP averages over the data-parallel and CP ranks, so the optimizer
+  sees the mean over the global batch's samples;
+- ``token_mean`` (``calculate_per_token_loss=True``): the masked terms summed, times the CP size,
+  with the micro-batch's masked-in count (whole samples, on every CP rank) as megatron's
+  ``num_tokens``. The schedule sums, and ``finalize_model_grads`` divides by the count summed over
+  the data-parallel and CP ranks (CP times the global count, which the CP factor cancels).
+
+The mutants each plant one bug of the class this loss is prone to (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from shardcheck.targets.base import Definitions, RankInputs, RankOutputs
+from shardcheck.targets.builtin import BuiltinTarget, share_ranges
+
+
+class BuiltinLoss(BuiltinTarget):
+    """shardcheck's own training-step loss: a PPO policy loss on the builtin's log-probs, each
+    sample's token mean averaged over the global batch (slime's default reduction)"""
+
+    name = "builtin:loss"
+    loss_form = "step"
+    per_token = False  # megatron-core's calculate_per_token_loss
+    capabilities = dataclasses.replace(BuiltinTarget.capabilities, replay_keep=False, sampling=False)
+    invariance: dict[str, str] = {}  # a step is checked against its objective, not across layouts
+
+    @property
+    def definitions(self) -> Definitions:
+        objective = "token_mean" if self.per_token else "sample_mean"
+        return Definitions(objective=objective, objective_source=f"builtin's calculate_per_token_loss={self.per_token}")
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:  # type: ignore[override]
+        if inputs.policy is None or inputs.step is None:
+            raise ValueError(f"{self.name} is a training step's loss: it needs the policy batch and the step inputs")
+        out = super().compute(inputs)
+        terms, counts = self.sample_terms(inputs, out)
+        loss, num_tokens = self.reduce(inputs, terms, counts)
+        # every rank's loss reaches its logits, so the model's backward runs on every CP rank
+        loss = loss + 0 * inputs.logits.sum()
+        return RankOutputs(out.log_probs, out.entropy, loss=loss, num_tokens=num_tokens,
+                           reported={"loss": loss.detach().clone()})
+
+    def sample_terms(self, inputs: RankInputs, out: RankOutputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sample: its masked loss terms on this rank's share, summed, and its masked-in count
+        over the whole response (the masks are whole-response on every CP rank)."""
+        policy = inputs.policy
+        entropy = out.entropy if inputs.with_entropy else None
+        terms, counts = [], []
+        for i, (lp, total, response) in enumerate(zip(out.log_probs, inputs.total_lengths, inputs.response_lengths)):
+            whole = policy.loss_masks[i].to(lp.device)
+            ranges = share_ranges(total, response, inputs.cp_size, inputs.cp_rank)
+            mask = torch.cat([whole[a:b] for a, b in ranges]).to(lp.dtype)
+            ratio = torch.exp(lp - policy.old_log_probs[i].to(lp.device, lp.dtype))
+            term = (mask * -policy.advantages[i].to(lp.device, lp.dtype) * ratio).sum()
+            if entropy is not None:
+                term = term - inputs.entropy_coef * (mask * entropy[i]).sum()
+            terms.append(term)
+            counts.append(whole.sum())
+        return terms, counts
+
+    def reduce(self, inputs: RankInputs, terms: list[torch.Tensor], counts: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, num_tokens) as megatron-core's schedule takes them, for this micro-batch."""
+        if self.per_token:
+            return self.token_mean(inputs, terms, counts)
+        return self.sample_mean(inputs, terms, counts)
+
+    def token_mean(self, inputs: RankInputs, terms: list[torch.Tensor], counts: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """calculate_per_token_loss=True: the terms summed, the masked-in count for megatron."""
+        zero = inputs.logits.new_zeros((), dtype=torch.float32)
+        loss = sum(terms, zero) * self.cp_factor(inputs)
+        return loss, torch.stack(counts).sum().to(torch.int) if counts else torch.zeros((), dtype=torch.int)
+
+    def sample_mean(self, inputs: RankInputs, terms: list[torch.Tensor], counts: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """calculate_per_token_loss=False: each sample's terms over its count, rescaled as slime does."""
+        step = inputs.step
+        zero = inputs.logits.new_zeros((), dtype=torch.float32)
+        loss = sum((t / c.clamp_min(1) for t, c in zip(terms, counts)), zero)
+        loss = loss * self.microbatch_factor(inputs) / step.global_batch_size * step.dp_size * inputs.cp_size
+        return loss, torch.ones((), dtype=torch.int)
+
+    def cp_factor(self, inputs: RankInputs) -> int:
+        """The per-token loss's CP factor: megatron's count is CP times the global count."""
+        return inputs.cp_size
+
+    def microbatch_factor(self, inputs: RankInputs) -> int:
+        """What cancels the schedule's division by the number of micro-batches."""
+        return inputs.step.num_microbatches
+
+
+class BuiltinLossTokenMean(BuiltinLoss):
+    """shardcheck's own training-step loss with every masked-in token of the global batch
+    weighing the same (calculate_per_token_loss=True)"""
+
+    name = "builtin:loss_token_mean"
+    per_token = True
+
+
+class LossCpMissing(BuiltinLossTokenMean):
+    """planted: the per-token loss is not multiplied by the CP size, so megatron's count (CP times
+    the global count) divides it once too often (the gradient x 1 / cp)"""
+
+    def cp_factor(self, inputs: RankInputs) -> int:
+        return 1
+
+
+class LossCpTwice(BuiltinLossTokenMean):
+    """planted: the per-token loss is multiplied by the CP size twice (the gradient x cp)"""
+
+    def cp_factor(self, inputs: RankInputs) -> int:
+        return inputs.cp_size * inputs.cp_size
+
+
+class LossMicrobatchesMissing(BuiltinLoss):
+    """planted: the sample-mean loss does not cancel the schedule's division by the number of
+    micro-batches (the gradient x 1 / num_microbatches)"""
+
+    def microbatch_factor(self, inputs: RankInputs) -> int:
+        return 1
+
+
+class LossCountPerMicrobatch(BuiltinLossTokenMean):
+    """planted: the per-token loss divides by its own micro-batch's token count and hands megatron
+    a count of 1, a mean of micro-batch means instead of the global batch's token mean"""
+
+    def reduce(self, inputs: RankInputs, terms: list[torch.Tensor], counts: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        zero = inputs.logits.new_zeros((), dtype=torch.float32)
+        count = torch.stack(counts).sum().clamp_min(1) if counts else torch.ones(())
+        return sum(terms, zero) * inputs.cp_size / count, torch.ones((), dtype=torch.int)
+
+
+class LossSampleMeanAsTokenMean(BuiltinLossTokenMean):
+    """planted: declares the token mean (calculate_per_token_loss=True) and reduces as the sample
+    mean does"""
+
+    def reduce(self, inputs: RankInputs, terms: list[torch.Tensor], counts: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sample_mean(inputs, terms, counts)
+
+
+LOSSES: dict[str, type[BuiltinLoss]] = {
+    "loss": BuiltinLoss,
+    "loss_token_mean": BuiltinLossTokenMean,
+    "loss_cp_missing": LossCpMissing,
+    "loss_cp_twice": LossCpTwice,
+    "loss_microbatches_missing": LossMicrobatchesMissing,
+    "loss_count_per_microbatch": LossCountPerMicrobatch,
+    "loss_sample_mean_as_token_mean": LossSampleMeanAsTokenMean,
+}
+
+
+def describe_variants() -> dict[str, Any]:
+    return {name: " ".join((cls.__doc__ or "").split()) for name, cls in LOSSES.items()}
