@@ -35,9 +35,11 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import (Capabilities, RankInputs, RankOutputs, Rollout, TargetConfig, layout_description,
-                                     layout_option)
+from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, Rollout, TargetConfig,
+                                     layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
 from shardcheck.targets.passthrough import Recorder
 from shardcheck.targets.slime_data import SlimeDataPath, cpu_accelerator, read_get_batch
@@ -45,7 +47,8 @@ from shardcheck.targets.source import Framework, functions_named
 
 LOSS_MODULE = "slime.backends.megatron_utils.loss"
 LOSS_FILE = Path("slime/backends/megatron_utils/loss.py")
-STUBBABLE = ("httpx", "ray", "sglang", "wandb", "tensorboard", "transformers", "datasets", "deep_ep")
+STUBBABLE = ("httpx", "ray", "sglang", "wandb", "tensorboard", "transformers", "datasets", "deep_ep",
+             "torch_memory_saver", "yaml", "sglang_router", "pydantic", "pandas", "megatron", "tqdm", "triton")
 
 
 # slime's megatron_utils/__init__.py sets up its accelerator, as in every slime run: package inits run
@@ -330,7 +333,7 @@ class SlimePolicyLossTarget(SlimeTarget):
             if inputs.max_seq_lens is not None:
                 batch["max_seq_lens"] = inputs.max_seq_lens
         recorder.results.clear()
-        loss, metrics = self._loss(args, batch, inputs, get_sum_of_sample_mean, masks)
+        loss, metrics, num_tokens, reported = self._loss(args, batch, inputs, get_sum_of_sample_mean, masks)
         self.missing_args |= args.__dict__.get("_missing", set())
         if len(recorder.results) != 1:
             raise RuntimeError(f"policy_loss_function called get_log_probs_and_entropy {len(recorder.results)} "
@@ -339,13 +342,16 @@ class SlimePolicyLossTarget(SlimeTarget):
         if isinstance(result, tuple):
             result = result[-1]
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None,
-                           notes={"metrics": sorted(metrics)}, loss=loss)
+                           notes={"metrics": sorted(metrics)}, loss=loss, num_tokens=num_tokens, reported=reported)
 
     def _loss(self, args: Any, batch: dict[str, Any], inputs: RankInputs, get_sum_of_sample_mean: Any,
-              masks: list) -> tuple[Any, Any]:
-        """(loss, metric names): policy_loss_function with slime's own reducer."""
+              masks: list) -> tuple[Any, Any, Any, Any]:
+        """(loss, metric names, num_tokens, what it logs): policy_loss_function with slime's own
+        reducer (no num_tokens: it is not a training step's loss)."""
         policy_loss_function = self._policy()[0]
-        return policy_loss_function(args, batch, inputs.logits, self._reducer(get_sum_of_sample_mean, inputs, masks))
+        loss, metrics = policy_loss_function(args, batch, inputs.logits,
+                                             self._reducer(get_sum_of_sample_mean, inputs, masks))
+        return loss, metrics, None, None
 
     def _reducer(self, get_sum_of_sample_mean: Any, inputs: RankInputs, masks: list) -> Any:
         """slime's own reducer, called as its loss_function calls it at this commit."""
@@ -361,37 +367,78 @@ class SlimePolicyLossTarget(SlimeTarget):
 
 
 class SlimeLossTarget(SlimePolicyLossTarget):
-    """THUDM/slime's loss_function, the loss its training step differentiates (policy_loss_function
-    through slime's dispatch, its all-gather CP term and rescale), fed get_batch's micro-batch"""
+    """THUDM/slime's loss_function in a training step (megatron-core's schedule and DDP around it,
+    get_batch's micro-batches): policy_loss_function through slime's dispatch, its all-gather CP
+    term and its rescale for megatron; option calculate_per_token_loss (slime's default false)"""
 
     name = "slime:loss"
-    # the loss the framework's training step differentiates: the harness puts the model's CP
-    # collective between the logits and it (harness/rank/model_stand_in.py)
+    loss_form = "step"
+    # the loss the framework's training step differentiates (the model's CP collective runs in
+    # its backward: harness/rank/model_stand_in.py)
     training_loss = True
 
-    def _loss(self, args: Any, batch: dict[str, Any], inputs: RankInputs, get_sum_of_sample_mean: Any,
-              masks: list) -> tuple[Any, Any]:
-        from megatron.core import parallel_state as mpu
+    def __init__(self, src: str | None = None, layout: str = "framework", per_token: bool = False) -> None:
+        super().__init__(src, layout)
+        self.per_token = per_token  # slime's --calculate-per-token-loss
+        self.capabilities = dataclasses.replace(self.capabilities, replay_keep=False)
+        self.compatibility: set[str] = set()  # what was handed on otherwise than it came, and why
 
+    @property
+    def definitions(self) -> Definitions:
+        # slime counts num_tokens as sum(clamp_min(loss_mask.sum(), 1)): a fully masked sample counts one
+        return Definitions(objective="token_mean" if self.per_token else "sample_mean",
+                           objective_source=f"slime's calculate_per_token_loss={str(self.per_token).lower()}",
+                           token_floor=1 if self.per_token else 0)
+
+    def description(self) -> dict[str, Any]:
+        return {**super().description(), "calculate_per_token_loss": self.per_token,
+                **({"compatibility": sorted(self.compatibility)} if self.compatibility else {})}
+
+    def args(self, inputs: RankInputs) -> _Args:
+        args = super().args(inputs)
+        args.calculate_per_token_loss = self.per_token
+        return args
+
+    def _loss(self, args: Any, batch: dict[str, Any], inputs: RankInputs, get_sum_of_sample_mean: Any,
+              masks: list) -> tuple[Any, Any, Any, Any]:
+        step = inputs.step
+        if step is None:
+            raise ValueError("slime:loss is a training step's loss: it needs the step inputs")
         loss_function = self.import_module(LOSS_MODULE).loss_function
-        # one micro-batch, and the global batch the size slime's rescale divides back out:
-        # the loss is then policy_loss_function's, as slime's reducer made it
-        replicas = mpu.get_data_parallel_world_size(with_context_parallel=True)
-        args.global_batch_size = replicas
-        named = {"args": args, "batch": batch, "num_microbatches": 1, "step_global_batch_size": replicas,
-                 "logits": inputs.logits}
+        # what slime's train_one_step hands it: the step's micro-batch count and its global batch
+        # (samples over every data-parallel replica)
+        args.global_batch_size = step.global_batch_size
+        named = {"args": args, "batch": batch, "num_microbatches": step.num_microbatches,
+                 "step_global_batch_size": step.global_batch_size, "logits": inputs.logits}
         params = list(inspect.signature(loss_function).parameters)
         unknown = [p for p in params if p not in named]
         if unknown:
             raise BadInput(f"slime at {self.src}: loss_function takes {', '.join(unknown)}, which this adapter "
                            "does not know")
-        loss, _, log = loss_function(*[named[p] for p in params])
-        return loss, list(log.get("keys", []))
+        loss, normalizer, log = loss_function(*[named[p] for p in params])
+        if isinstance(normalizer, int):
+            # slime before 2026 returned the sample-mean's normaliser as the int 1; the megatron-core
+            # of its day divided by it, 0.16.1 clamps it as a tensor: the same value, handed as one
+            normalizer = torch.tensor(normalizer)
+            self.compatibility.add(INT_NORMALIZER)
+        return loss, list(log.get("keys", [])), normalizer, log
+
+
+INT_NORMALIZER = ("loss_function returned its normaliser as the int 1 (slime of its day); handed to megatron-core "
+                  "0.16.1's schedule as a tensor of the same value")
 
 
 def _build(variant: str | None, config: TargetConfig) -> SlimeTarget:
     layout = layout_option(config, framework="framework (slime's get_batch)")
-    kinds = {None: SlimeTarget, "policy_loss": SlimePolicyLossTarget, "loss": SlimeLossTarget}
+    if variant == "loss":
+        try:
+            per_token = config.flag("calculate_per_token_loss")
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        return SlimeLossTarget(config.src, layout, per_token)
+    if config.get("calculate_per_token_loss") is not None:
+        raise BadInput("option calculate_per_token_loss is slime:loss's (the training step's loss)")
+    kinds = {None: SlimeTarget, "policy_loss": SlimePolicyLossTarget}
     return kinds[variant](config.src, layout)
 
 
@@ -400,6 +447,8 @@ target = CheckoutFactory(
     doc=("THUDM/slime's get_log_probs_and_entropy from a source checkout (--slime-src, --target-src or "
          "SHARDCHECK_SLIME_SRC)\n\nWith the variant ``policy_loss``, its policy_loss_function instead."),
     options={"layout": "framework (default): slime's get_batch lays out each rank's rows; shardcheck: the harness's "
-                       "own layout, handed to slime's functions as before"},
+                       "own layout, handed to slime's functions as before",
+             "calculate_per_token_loss": "slime:loss only: slime's --calculate-per-token-loss (default false: each "
+                                         "sample's token mean, averaged; true: the global batch's token mean)"},
     variants={"policy_loss": " ".join((SlimePolicyLossTarget.__doc__ or "").split()),
               "loss": " ".join((SlimeLossTarget.__doc__ or "").split())})

@@ -12,7 +12,7 @@ import torch
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.rank.compare import Tolerance, clean_factor, factor_names
+from shardcheck.harness.rank.compare import Tolerance, clean_factor, factor_names, scale_of
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios.data import ScenarioData
 
@@ -103,6 +103,11 @@ def test_a_factor_is_named_by_the_steps_sizes():
     assert clean_factor(want * 0.25, want, tol) == pytest.approx(0.25)
     assert clean_factor(want * torch.tensor([[1.0, 1.0], [2.0, 2.0]]), want, tol) is None
     assert clean_factor(want * float("nan"), want, tol) is None
+    # a scale beside a small rest (a bfloat16 rounding) is still found, with the rest; none beyond 2 %
+    rounded = want * 0.5 * torch.tensor([[1.0, 1.001], [0.999, 1.0]], dtype=torch.float64)
+    factor, rest = scale_of(rounded, want)
+    assert factor == pytest.approx(0.5, rel=1e-3) and 0 < rest < 2e-3 and clean_factor(rounded, want, tol) is None
+    assert scale_of(want * torch.tensor([[1.0, 1.1], [1.0, 1.0]], dtype=torch.float64), want) is None
     sizes = {"cp_size": 4, "dp_size": 1, "tp_size": 1, "micro_batches": 2}
     assert factor_names(0.25, sizes) == "1 / cp"
     assert factor_names(2.0, sizes) == "num_microbatches"

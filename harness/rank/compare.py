@@ -301,7 +301,9 @@ class ReferenceComparison(Check):
 
 def step_scale_failure(life: Life) -> Failure:
     """What a training step's gradient is off by: one factor on every row, named by the step's
-    sizes where it is one of them ("x 0.500 = 1 / cp"), or a factor per sample."""
+    sizes where it is one of them ("x 0.500 = 1 / cp"), or a factor per sample. A factor that
+    explains the gradient but for a small rest (a bfloat16 rounding beside a scale error) is still
+    named, with the rest."""
     sc = life.scenario
     source = shard.PieceRows(life.data, life.layout.pieces)
     targets, w_lp, w_ent = shard.row_targets_and_weights(life.data, life.layout)
@@ -311,34 +313,57 @@ def step_scale_failure(life: Life) -> Failure:
         device=life.reference_device)]).cpu()
     got = life.grad.detach().reshape(want.shape).cpu().double()
     tol = TOLERANCES[sc.dtype]["grad"]
-    factor = clean_factor(got, want, tol)
     where = "the step's gradient (DDP's main_grad, what the optimizer sees)"
-    if factor is not None:
+    objective = life.definitions.objective or "sample_mean"
+    scale = scale_of(got, want)
+    if scale is not None:
+        factor, rest = scale
+        clean = not bool(mismatch_mask(got, want * factor, tol).any())
+        beyond = "" if clean else f", and beyond that its elements differ by up to {rest:.2%}"
+        details = {"factor": factor, "rest": rest}
+        if abs(factor - 1.0) <= SAME_SCALE:
+            return Failure(GRAD_MISMATCH, f"{where} has the declared {objective}'s scale (x {factor:.3f} on every "
+                           f"row){beyond}: not a normalisation", [life.rank], field="grad", details=details)
         named = factor_names(factor, life.step or {})
         return Failure(GRAD_MISMATCH, f"{where} is x {factor:.3f} the reference's on every row"
-                       + (f" (= {named})" if named else "") + f": {life.definitions.objective or 'sample_mean'} "
-                       "scaled wrong", [life.rank], field="grad", details={"factor": factor, "named": named})
+                       + (f" (= {named})" if named else "") + f"{beyond}: {objective} scaled wrong", [life.rank],
+                       field="grad", details={**details, "named": named})
     per_sample = []
     for i, p in enumerate(life.layout.pieces):
         start = sum(q.rows for q in life.layout.pieces[:i])
-        f = clean_factor(got[start:start + p.rows], want[start:start + p.rows], tol)
-        per_sample.append("?" if f is None else f"{f:.3f}")
+        f = scale_of(got[start:start + p.rows], want[start:start + p.rows])
+        per_sample.append("?" if f is None else f"{f[0]:.3f}")
     listed = ", ".join(f"sample {i} x {f}" for i, f in enumerate(per_sample[:MAX_LISTED]))
     more = f", +{len(per_sample) - MAX_LISTED} more" if len(per_sample) > MAX_LISTED else ""
     return Failure(GRAD_MISMATCH, f"{where} is off by no one factor: {listed}{more} (not the declared "
-                   f"{life.definitions.objective or 'sample_mean'})", [life.rank], field="grad",
-                   details={"sample_factors": per_sample})
+                   f"{objective})", [life.rank], field="grad", details={"sample_factors": per_sample})
 
 
-def clean_factor(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> float | None:
-    """The one factor r with got = r * want within ``tol`` everywhere, or None."""
+SAME_SCALE = 1e-3  # a factor this close to 1 is no scale error
+FACTOR_REST = 0.02  # a factor names a gradient whose rest is at most this fraction of it
+
+
+def scale_of(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:
+    """(r, rest): the least-squares factor with got ~ r * want and the largest element of the
+    rest, |got - r * want|, as a fraction of the largest |r * want|; None where no factor leaves
+    a rest of at most FACTOR_REST."""
     norm = float((want * want).sum())
     if norm == 0.0 or not bool(torch.isfinite(got).all()):
         return None
     r = float((got * want).sum()) / norm
-    if r == 0.0 or bool(mismatch_mask(got, want * r, tol).any()):
+    top = float((want * r).abs().max())
+    if r == 0.0 or top == 0.0:
         return None
-    return r
+    rest = float((got - want * r).abs().max()) / top
+    return (r, rest) if rest <= FACTOR_REST else None
+
+
+def clean_factor(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> float | None:
+    """The one factor r with got = r * want within ``tol`` everywhere, or None."""
+    scale = scale_of(got, want)
+    if scale is None or bool(mismatch_mask(got, want * scale[0], tol).any()):
+        return None
+    return scale[0]
 
 
 def factor_names(factor: float, sizes: dict[str, int]) -> str:

@@ -186,6 +186,10 @@ def run_step(runner: Any, sc: Any, target: Any, frame: Any, pipeline: Any) -> di
         layout, rollout, moved = layout_for(target, mb_data, tp_rank, cp_rank, runner.rank)
         frame.found += moved
         micro.append(MicroBatch(k, samples, mb_sc, mb_data, layout, rollout, moved))
+    if len(micro) == 1 and sc.dp == 1:  # the step's one micro-batch is the scenario: its rows are the report's
+        from shardcheck.harness.rank.data_path import layout_payload
+
+        runner.layout = layout_payload(micro[0].layout)
 
     def loss_func(mb: MicroBatch, logits: torch.Tensor) -> tuple:
         inputs = runner.rank_inputs(mb.scenario, mb.data, mb.layout, logits, "policy", mb.rollout)
