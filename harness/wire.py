@@ -104,6 +104,7 @@ class Checks:
     reference: bool = True  # compare values and gradient with the float64 reference
     explain: bool = False  # find the call site of the first in-place write (a dispatch mode on every op)
     coverage: bool = False  # which lines of the target's framework_files ran (coverage.py)
+    mask_leak: bool = True  # a training step again with NaN at every masked position: nothing unmasked changes
 
     def to_wire(self) -> dict[str, bool]:
         return dataclasses.asdict(self)
@@ -150,10 +151,13 @@ INVARIANCE_VIOLATION = "invariance_violation"
 # the framework's data path lost a (sample, position), held one twice, gave a CP rank's TP ranks
 # different rows, or laid the real tokens out differently from their positions
 LAYOUT_MISMATCH = "layout_mismatch"
+# NaN put at every masked position (prompt, padding and masked tokens' logits rows, masked
+# tokens' per-token inputs) changed an unmasked output, the loss or an unmasked gradient
+MASK_LEAK = "mask_leak"
 # a deadline the machine missed: the rank waited for a CPU through much of it (not the target's)
 TIMEOUT = "timeout"
 KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION,
-         LAYOUT_MISMATCH, TIMEOUT)
+         LAYOUT_MISMATCH, MASK_LEAK, TIMEOUT)
 # The kinds that name where a run stopped (a rank raised, died or hung; ranks diverged): listed
 # first in a verdict, with where each rank runs. Any other kind, a check's own, is rendered alike.
 ROOT_CAUSES = (RANK_ERROR, COLLECTIVE_MISMATCH, TIMEOUT)

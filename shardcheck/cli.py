@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     _check_switches(r)
     r.add_argument("--allow-all-skipped", action="store_true",
                    help="exit 0, not 5, when every scenario was skipped (nothing was checked)")
+    r.add_argument("--no-mask-leak", action="store_true",
+                   help="a training step is not run again with NaN at every masked position (mask_leak; "
+                        "docs/training.md); its gradient and values are still checked")
     r.add_argument("--coverage", action="store_true",
                    help="say which of the framework's log-prob, data and loss functions ran and the line coverage "
                         "of those modules (coverage.py, only the framework's own files), in every report")
@@ -449,7 +452,7 @@ def _run(args: argparse.Namespace) -> int:
                             nproc=args.nproc,
                             timeout=args.timeout, lockstep=not args.no_lockstep, trace=args.trace,
                             backend=args.backend, inplace=not args.no_inplace, world=world,
-                            coverage=args.coverage, repro=_repro_command(args))
+                            coverage=args.coverage, repro=_repro_command(args), mask_leak=not args.no_mask_leak)
     finally:
         if world is not None:
             world.close()

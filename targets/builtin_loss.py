@@ -50,8 +50,9 @@ class BuiltinLoss(BuiltinTarget):
         out = super().compute(inputs)
         terms, counts = self.sample_terms(inputs, out)
         loss, num_tokens = self.reduce(inputs, terms, counts)
-        # every rank's loss reaches its logits, so the model's backward runs on every CP rank
-        loss = loss + 0 * inputs.logits.sum()
+        # every rank's loss reaches its logits, so the model's backward runs on every CP rank; an
+        # empty slice's sum, not 0 * logits.sum(): a NaN in a padding row would make that NaN
+        loss = loss + inputs.logits.reshape(-1)[:0].sum()
         return RankOutputs(out.log_probs, out.entropy, loss=loss, num_tokens=num_tokens,
                            reported={"loss": loss.detach().clone()})
 
@@ -64,14 +65,19 @@ class BuiltinLoss(BuiltinTarget):
         for i, (lp, total, response) in enumerate(zip(out.log_probs, inputs.total_lengths, inputs.response_lengths)):
             whole = policy.loss_masks[i].to(lp.device)
             ranges = share_ranges(total, response, inputs.cp_size, inputs.cp_rank)
-            mask = torch.cat([whole[a:b] for a, b in ranges]).to(lp.dtype)
+            mask = torch.cat([whole[a:b] for a, b in ranges]).bool()
             ratio = torch.exp(lp - policy.old_log_probs[i].to(lp.device, lp.dtype))
-            term = (mask * -policy.advantages[i].to(lp.device, lp.dtype) * ratio).sum()
+            term = self.masked(-policy.advantages[i].to(lp.device, lp.dtype) * ratio, mask).sum()
             if entropy is not None:
-                term = term - inputs.entropy_coef * (mask * entropy[i]).sum()
+                term = term - inputs.entropy_coef * self.masked(entropy[i], mask).sum()
             terms.append(term)
             counts.append(whole.sum())
         return terms, counts
+
+    def masked(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The values where the mask keeps them, 0 elsewhere: selected, so that whatever a masked
+        position holds (NaN, inf) reaches nothing."""
+        return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
     def reduce(self, inputs: RankInputs, terms: list[torch.Tensor], counts: list[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +162,14 @@ class LossSampleMeanAsTokenMean(BuiltinLossTokenMean):
         return self.sample_mean(inputs, terms, counts)
 
 
+class LossMaskMultiplied(BuiltinLoss):
+    """planted: the loss mask multiplies the terms (x * mask) where it should select them, so a
+    NaN at a masked position reaches the loss (NaN * 0 is NaN)"""
+
+    def masked(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return values * mask
+
+
 LOSSES: dict[str, type[BuiltinLoss]] = {
     "loss": BuiltinLoss,
     "loss_token_mean": BuiltinLossTokenMean,
@@ -164,6 +178,7 @@ LOSSES: dict[str, type[BuiltinLoss]] = {
     "loss_microbatches_missing": LossMicrobatchesMissing,
     "loss_count_per_microbatch": LossCountPerMicrobatch,
     "loss_sample_mean_as_token_mean": LossSampleMeanAsTokenMean,
+    "loss_mask_multiplied": LossMaskMultiplied,
 }
 
 

@@ -339,16 +339,30 @@ def test_a_repro_script_shows_a_slime_bug_with_torch_and_slime_alone(tmp_path):
 @pytest.mark.parametrize("per_token", ["false", "true"])
 def test_slimes_loss_function_passes_the_training_step_in_both_reductions(tmp_path, per_token):
     """slime:loss in megatron-core's schedule and DDP, on get_batch's micro-batches: dp 2, up to three
-    micro-batches, cp 4, a token budget; sample mean (slime's default) and token mean."""
+    micro-batches, cp 4, a token budget; sample mean (slime's default) and token mean: the gradient
+    the optimizer sees is right (the mask-leak check off: test_slimes_loss_lets_nan_at_masked_positions_in)."""
     report = tmp_path / "r.json"
     proc = run_cli("run", "--target", "slime:loss", "--suite", "training", "--target-opt",
-                   f"calculate_per_token_loss={per_token}", "--json-report", str(report))
+                   f"calculate_per_token_loss={per_token}", "--json-report", str(report), "--no-mask-leak")
     assert proc.returncode == 0, proc.stdout[-3000:]
     doc = json.loads(report.read_text())
     ran = [v for v in doc["scenarios"] if v["verdict"] == "pass"]
     assert len(ran) >= 7, [(v["name"], v["verdict"], v.get("reason")) for v in doc["scenarios"]]
     objective = doc["target"]["definitions"]["objective"]
     assert f"calculate_per_token_loss={per_token}" in objective, objective
+
+
+@needs_slime
+@pytest.mark.world
+def test_slimes_loss_lets_nan_at_masked_positions_in(tmp_path):
+    """A finding at 624b824a8, latent: slime's get_sum_of_sample_mean multiplies by the loss mask
+    ((x_i * loss_mask_i).sum()), so NaN at a masked token (its log-prob, advantage or old log-prob)
+    makes the loss NaN; so does loss + 0 * logits.sum() under all-gather CP for a NaN in a
+    padding row. slime's own rollouts give finite values there, so its callers do not hit it."""
+    proc = run_cli("run", "--target", "slime:loss", "--suite", "training", "--scenario", "step-thd-dp4")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert ("mask_leak [ranks 0]: NaN at the masked positions of the logits and advantages and old_log_probs "
+            "reached the loss of micro-batch 0") in proc.stdout, proc.stdout[-3000:]
 
 
 PR_990 = "f9f00b2cb"  # "Fix per token loss scale": loss_function's per-token loss * cp_size

@@ -156,6 +156,26 @@ def test_each_planted_scale_bug_is_caught_with_its_factor(world, variant, scenar
 
 
 @pytest.mark.world
+def test_a_mask_that_multiplies_lets_nan_at_a_masked_position_into_the_loss(world):
+    """x * mask where the mask should select: NaN at the masked positions (the logits' prompt,
+    padding and masked-token rows, the masked tokens' advantages and old log-probs) reaches the
+    loss, through each of the three inputs; the builtin's select passes (the training suite)."""
+    [v] = _run(world, "builtin:loss_mask_multiplied", _training("step-zigzag-dp2cp2-mb2")).verdicts
+    assert v.status == "fail" and v.kinds == ["mask_leak"], v.headline()
+    head = v.failures[0]
+    assert head.message.startswith("NaN at the masked positions of the logits and advantages and old_log_probs "
+                                   "reached the loss of micro-batch "), head.message
+    assert " in the clean run, nan with NaN at the masked positions" in head.message
+
+
+@pytest.mark.world
+def test_the_mask_leak_check_can_be_turned_off_and_the_report_says_so(world):
+    result = runner.run(_training("step-thd-dp4"), "builtin:loss_mask_multiplied", reporter=SilentReport(),
+                        world=world, mask_leak=False)
+    assert result.exit_code == 0 and result.info.mask_leak is False
+
+
+@pytest.mark.world
 def test_a_bug_the_step_cancels_passes_where_its_factor_is_one(world):
     """The CP factor missing is no bug at cp 1 (the factor is 1): the check is not a blanket fail."""
     result = _run(world, "builtin:loss_cp_missing", _training("step-thd-dp2-mb3", "step-thd-dp4"))

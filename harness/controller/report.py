@@ -352,6 +352,8 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
     lines += reach_report.render(info.coverage)
     if not info.inplace:
         lines.append("not checked: whether the target leaves its inputs unchanged (--no-inplace)")
+    if not info.mask_leak:
+        lines.append("not checked: whether NaN at a training step's masked positions reaches anything (--no-mask-leak)")
     lines.append(
         f"{scenario_count(c['total'], planned)}: {c[PASS]:,} passed, {c[FAIL]:,} failed, {c[SKIP]:,} skipped"
         + (f", {c[TIMED_OUT]:,} timed out (the machine was too slow: no finding either way)" if c.get(TIMED_OUT) else "")

@@ -107,6 +107,7 @@ def run(
     inplace: bool = True,
     coverage: bool = False,
     repro: str | None = None,
+    mask_leak: bool = True,
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
 
@@ -116,6 +117,7 @@ def run(
     ``backend`` (gloo, nccl or auto) is that of the world started here (a given ``world`` has
     its own). ``inplace`` checks that the target leaves its inputs unchanged (``input_mutated``).
     ``coverage`` measures which lines of the target's ``framework_files`` ran (``info.coverage``).
+    ``mask_leak`` runs a training step again with NaN at every masked position (``mask_leak``).
     """
     target = controller_target(target_spec)
     t0 = time.perf_counter()
@@ -135,7 +137,8 @@ def run(
     chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     world = chosen.world
     info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace,
-                   repro=repro if target_refusal(target) is None else None, target_config=_target_config(target))
+                   repro=repro if target_refusal(target) is None else None, target_config=_target_config(target),
+                   mask_leak=mask_leak)
     reach = Reach(str(target.src) if getattr(target, "src", None) is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
@@ -151,7 +154,7 @@ def run(
             world.ensure_ready()
             started = time.perf_counter()
             results = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace,
-                                                                  coverage=coverage))
+                                                                  coverage=coverage, mask_leak=mask_leak))
             verdict = merge(sc, results, time.perf_counter() - started)
             verdict.layout_note = _layout_note(target, sc)
             _place(verdict, getattr(world, "placement", None))
@@ -159,7 +162,8 @@ def run(
                 # the call site of an in-place write, and where a backward collective's autograd
                 # node was made, are found by watches too dear to keep on: run the scenario again
                 # with them (every rank decides the same, from the verdict)
-                again = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace, explain=True))
+                again = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace, explain=True,
+                                                                    mask_leak=mask_leak))
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
                 info.target = results[0].target

@@ -100,6 +100,7 @@ class RunInfo:
     rank_output: list[dict[str, Any]] = _field(default_factory=list)  # {"line", "ranks"}, each line once
     world_events: list[str] = _field(default_factory=list)  # outside any scenario: a rank that died idle
     inplace: bool = True  # whether input_mutated was checked (run --no-inplace: not)
+    mask_leak: bool = True  # whether a training step was run again with NaN at masked positions (--no-mask-leak: not)
     # run --coverage: what of the framework's own code ran (controller/reach_report.Reach.summary)
     coverage: dict[str, Any] | None = None
     # how to write a failure as a standalone script ({scenario}: its name); None where the target

@@ -59,17 +59,23 @@ class MicroBatch:
 
 class LogitsTable(torch.nn.Module):
     """The stand-in model: one parameter holding the logits of every (sample, position) of the
-    global batch, this rank's vocabulary columns; forward lays a micro-batch's rows out."""
+    global batch, this rank's vocabulary columns; forward lays a micro-batch's rows out.
 
-    def __init__(self, data: Any, columns: tuple[int, int], device: Any) -> None:
+    ``poison``: the rows that hold NaN instead (a bool per table row), and NaN for the padding
+    rows too (the mask-leak run)."""
+
+    def __init__(self, data: Any, columns: tuple[int, int], device: Any, poison: torch.Tensor | None = None) -> None:
         from megatron.core.enums import ModelType
 
         super().__init__()
         self.model_type = ModelType.encoder_or_decoder  # what megatron's schedule asks of a model
         sc = data.scenario
         a, b = columns
-        rows = [data.logit_rows(i, 0, s.total)[:, a:b] for i, s in enumerate(sc.samples)]
-        self.table = torch.nn.Parameter(torch.cat(rows).to(device))
+        rows = torch.cat([data.logit_rows(i, 0, s.total)[:, a:b] for i, s in enumerate(sc.samples)])
+        if poison is not None:
+            rows = rows.masked_fill(poison.unsqueeze(1), float("nan"))
+        self.table = torch.nn.Parameter(rows.to(device))
+        self.poisoned = poison is not None
         self.offsets = [0]
         for s in sc.samples:
             self.offsets.append(self.offsets[-1] + s.total)
@@ -94,6 +100,8 @@ class LogitsTable(torch.nn.Module):
         index_t = torch.tensor(index, dtype=torch.int64, device=device)
         real_t = torch.tensor(real, dtype=torch.bool, device=device).unsqueeze(1)
         constant = shard.local_logits(mb.data, layout).reshape(layout.num_rows, -1).to(device)
+        if self.poisoned:
+            constant = torch.full_like(constant, float("nan"))
         logits = torch.where(real_t, self.table.index_select(0, index_t), constant).reshape(layout.shape)
         if mb.scenario.cp > 1:  # the model's CP collective in backward (model_stand_in)
             logits = ModelCpCollective.apply(logits, self.cp_group)
@@ -123,7 +131,8 @@ def _current_device_on_cpu(notes: list[str]) -> Iterator[None]:
         return
     saved = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    notes.append(CPU_DEVICE_SHIM)
+    if CPU_DEVICE_SHIM not in notes:
+        notes.append(CPU_DEVICE_SHIM)
     try:
         yield
     finally:
@@ -139,46 +148,52 @@ def table_layout(scenario: Any, tp_rank: int, columns: tuple[int, int]) -> RankL
     return RankLayout(scenario, tp_rank, 0, pieces, (1, rows, columns[1] - columns[0]), columns, share)
 
 
+@dataclasses.dataclass
+class Step:
+    """What one training step of a scenario needs on this rank, built once for every run of it."""
+
+    runner: Any
+    scenario: Any
+    target: Any
+    frame: Any
+    defined: Any
+    data: Any  # the global batch's ScenarioData ("step": the objective's weights)
+    micro: list[MicroBatch]
+    columns: tuple[int, int]
+    dp_size: int
+    dp_rank: int
+    global_batch: int
+    notes: list[str]
+
+
+@dataclasses.dataclass
+class Ran:
+    """What one run of the step left: per micro-batch its outputs and loss, and the gradient."""
+
+    outputs: list[Any]
+    losses: list[Any]
+    grad: torch.Tensor
+
+
+POISONABLE = ("logits", "advantages", "old_log_probs")
+
+
 def run_step(runner: Any, sc: Any, target: Any, frame: Any, pipeline: Any) -> dict[str, Any]:
     """The training step of ``sc`` on this rank; findings go into ``frame``. Returns what the
     report says of the step (schedule, micro-batches, what was stood in for)."""
-    with warnings.catch_warnings():  # megatron-core's own notices (Apex absent, deprecated scopes) are not the target's
-        warnings.simplefilter("ignore")
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer import TransformerConfig
-
-    from shardcheck.harness.rank import groups, shard
-    from shardcheck.harness.rank.data_path import layout_for
+    from shardcheck.harness.rank import groups
+    from shardcheck.harness.rank.data_path import layout_for, layout_payload
     from shardcheck.harness.rank.pipeline import Life
     from shardcheck.scenarios.data import ScenarioData
-    from shardcheck.targets.base import StepInputs, definitions
+    from shardcheck.targets.base import definitions
 
     defined = definitions(target)
     objective = defined.objective or "sample_mean"
-    per_token = objective == "token_mean"
     tp_rank, cp_rank = groups.tp_rank(), groups.cp_rank()
     dp_size, dp_rank = groups.dp_size(), groups.dp_rank()
     data = ScenarioData(sc, loss="step", objective=objective, token_floor=defined.token_floor)
     batches = sc.micro_batches(dp_rank % sc.dp)
-    # the world holds dp_size / sc.dp copies of the scenario: each is part of the global batch
-    # the framework is told of (the objective, a mean, is the same over copies)
-    global_batch = len(sc.samples) * dp_size // sc.dp
     columns = (tp_rank * sc.vocab // sc.tp, (tp_rank + 1) * sc.vocab // sc.tp)
-
-    notes: list[str] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                                   calculate_per_token_loss=per_token)
-    module = LogitsTable(data, columns, runner.device or "cpu")
-    module.cp_group = groups.cp_group()
-    with _current_device_on_cpu(notes):
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    model.zero_grad_buffer()
-
     micro: list[MicroBatch] = []
     for k, samples in enumerate(batches):
         mb_sc = sc.micro_batch(samples)
@@ -187,44 +202,203 @@ def run_step(runner: Any, sc: Any, target: Any, frame: Any, pipeline: Any) -> di
         frame.found += moved
         micro.append(MicroBatch(k, samples, mb_sc, mb_data, layout, rollout, moved))
     if len(micro) == 1 and sc.dp == 1:  # the step's one micro-batch is the scenario: its rows are the report's
-        from shardcheck.harness.rank.data_path import layout_payload
-
         runner.layout = layout_payload(micro[0].layout)
+    # the world holds dp_size / sc.dp copies of the scenario: each is part of the global batch the
+    # framework is told of (the objective, a mean, is the same over copies)
+    step = Step(runner, sc, target, frame, defined, data, micro, columns, dp_size, dp_rank,
+                len(sc.samples) * dp_size // sc.dp, [])
+
+    clean = _run(step, pipeline)
+    layout = table_layout(sc, tp_rank, columns)
+    life = Life(runner.rank, frame.checks, sc, data, layout, target, None, None, "step", defined, owed=layout,
+                owed_entropy=layout, found=frame.found, errors=frame.errors)
+    life.grad = clean.grad
+    life.step = {"micro_batches": len(micro), "dp_size": dp_size, "cp_size": sc.cp, "tp_size": sc.tp}
+    pipeline.call("after_step", life)
+    if frame.checks.mask_leak:
+        frame.found += mask_leaks(step, clean)
+    return {"schedule": SCHEDULE, "gradient_reduction": REDUCTION, "cpu_world": step.notes}
+
+
+def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
+    """One run of the step through megatron-core's schedule and DDP. With ``pipeline`` each
+    micro-batch lives its checks; ``poison`` names the inputs that hold NaN at every masked
+    position (the checks are then not called: the run is compared with the clean one)."""
+    with warnings.catch_warnings():  # megatron-core's own notices (Apex absent, deprecated scopes) are not the target's
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer import TransformerConfig
+
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                   calculate_per_token_loss=step.defined.objective == "token_mean")
+    from shardcheck.harness.rank import groups
+    from shardcheck.harness.rank.pipeline import Life
+    from shardcheck.targets.base import StepInputs
+
+    runner, frame, target = step.runner, step.frame, step.target
+    masked = masked_rows(step.data) if "logits" in poison else None
+    module = LogitsTable(step.data, step.columns, runner.device or "cpu", masked)
+    module.cp_group = groups.cp_group()
+    with _current_device_on_cpu(step.notes):
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    model.zero_grad_buffer()
+    outputs: list[Any] = [None] * len(step.micro)
+    losses: list[Any] = [None] * len(step.micro)
 
     def loss_func(mb: MicroBatch, logits: torch.Tensor) -> tuple:
         inputs = runner.rank_inputs(mb.scenario, mb.data, mb.layout, logits, "policy", mb.rollout)
-        inputs.step = StepInputs(mb.index, len(micro), global_batch, dp_size, dp_rank, mb.samples)
-        life = Life(runner.rank, frame.checks, mb.scenario, mb.data, mb.layout, target, inputs,
-                    logits.detach().clone(), "step", defined, owed=mb.layout, owed_entropy=mb.layout,
-                    found=frame.found, errors=frame.errors)
-        pipeline.call("inputs_made", life)
-        with pipeline.around("forward", life):
-            life.outputs = target.compute(inputs)
-        life.entropy = getattr(life.outputs, "entropy", None) if mb.scenario.with_entropy else None
-        pipeline.call("after_forward", life)
-        loss = getattr(life.outputs, "loss", None)
-        if life.stopped or not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        inputs.step = StepInputs(mb.index, len(step.micro), step.global_batch, step.dp_size, step.dp_rank, mb.samples)
+        if poison:
+            _poison_policy(inputs.policy, mb, poison)
+            out = target.compute(inputs)
+        else:
+            life = Life(runner.rank, frame.checks, mb.scenario, mb.data, mb.layout, target, inputs,
+                        logits.detach().clone(), "step", step.defined, owed=mb.layout, owed_entropy=mb.layout,
+                        found=frame.found, errors=frame.errors)
+            pipeline.call("inputs_made", life)
+            with pipeline.around("forward", life):
+                life.outputs = target.compute(inputs)
+            life.entropy = getattr(life.outputs, "entropy", None) if mb.scenario.with_entropy else None
+            pipeline.call("after_forward", life)
+            out = None if life.stopped else life.outputs
+        loss = getattr(out, "loss", None)
+        outputs[mb.index] = _kept(out)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             # nothing of this micro-batch reaches the gradient (what was wrong is reported); the
             # schedule goes on, so every rank issues the same collectives
-            loss = 0 * logits.sum()
-            return loss, {}
-        reported = life.outputs.reported or {}
-        if life.outputs.num_tokens is not None:
-            return loss.reshape(()), life.outputs.num_tokens, reported
+            return logits.reshape(-1)[:0].sum(), {}
+        losses[mb.index] = loss.detach().clone()
+        reported = out.reported or {}
+        if out.num_tokens is not None:
+            return loss.reshape(()), out.num_tokens, reported
         return loss.reshape(()), reported
 
     def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple:
         mb = next(data_iterator)
         return model(mb), functools.partial(loss_func, mb)
 
-    with _CudaCounterOnCpu(notes) if not torch.cuda.is_available() else contextlib.nullcontext():
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-                                    num_microbatches=len(micro), seq_length=0, micro_batch_size=0,
+    with _CudaCounterOnCpu(step.notes) if not torch.cuda.is_available() else contextlib.nullcontext():
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(step.micro), model=[model],
+                                    num_microbatches=len(step.micro), seq_length=0, micro_batch_size=0,
                                     forward_only=False)
-    layout = table_layout(sc, tp_rank, columns)
-    life = Life(runner.rank, frame.checks, sc, data, layout, target, None, None, "step", defined, owed=layout,
-                owed_entropy=layout, found=frame.found, errors=frame.errors)
-    life.grad = module.table.main_grad
-    life.step = {"micro_batches": len(micro), "dp_size": dp_size, "cp_size": sc.cp, "tp_size": sc.tp}
-    pipeline.call("after_step", life)
-    return {"schedule": SCHEDULE, "gradient_reduction": REDUCTION, "cpu_world": notes}
+    return Ran(outputs, losses, module.table.main_grad.detach().clone())
+
+
+# -- the mask-leak check ---------------------------------------------------------------------------
+def masked_rows(data: Any) -> torch.Tensor:
+    """Per table row (every position of every sample of the global batch): whether it is masked,
+    i.e. scores no response token whose loss mask is 1 (prompt rows, the last row, masked tokens)."""
+    out = []
+    for i, s in enumerate(data.scenario.samples):
+        rows = torch.ones(s.total, dtype=torch.bool)
+        rows[s.prompt - 1 : s.total - 1] = data.loss_mask(i) == 0
+        out.append(rows)
+    return torch.cat(out)
+
+
+def _poison_policy(policy: Any, mb: MicroBatch, poison: tuple[str, ...]) -> None:
+    """NaN at the masked tokens of the rank's share in the per-token inputs ``poison`` names."""
+    for k, tokens in enumerate(mb.layout.share):
+        mask = policy.loss_masks[k]
+        masked = torch.tensor([int(mask[j]) == 0 for j in tokens], dtype=torch.bool)
+        for name in ("advantages", "old_log_probs"):
+            if name in poison:
+                values = getattr(policy, name)
+                values[k] = values[k].masked_fill(masked.to(values[k].device), float("nan"))
+
+
+def mask_leaks(step: Step, clean: Ran) -> list[Any]:
+    """The step again with NaN at every masked position: an unmasked output, a loss or an
+    unmasked gradient row that is not bitwise the clean run's is a leak; the inputs whose NaN
+    leaks are found one at a time."""
+    import torch.distributed as dist
+
+    from shardcheck.harness.wire import MASK_LEAK, Failure
+
+    poisoned = _run(step, None, POISONABLE)
+    seen = _leak(step, clean, poisoned)
+    # every rank runs the same steps (they are collectives): whether any rank saw a leak, agreed
+    anywhere = torch.tensor([0 if seen is None else 1], device=step.runner.device or "cpu")
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    if not int(anywhere):
+        return []
+    through = [name for name in POISONABLE if _leak(step, clean, _run(step, None, (name,))) is not None]
+    if seen is None:
+        return []
+
+    what, where = seen
+    inputs = " and ".join(through) or "the inputs together"
+    return [Failure(MASK_LEAK, f"NaN at the masked positions of the {inputs} reached {what}", [step.runner.rank],
+                    details={"inputs": through, **where}, **{k: v for k, v in where.items()
+                                                             if k in ("field", "sample", "token", "position")})]
+
+
+def _leak(step: Step, clean: Ran, poisoned: Ran) -> tuple[str, dict[str, Any]] | None:
+    """The first unmasked thing the poisoned run changed: (what, where), or None."""
+    for mb, a, b in zip(step.micro, clean.outputs, poisoned.outputs):
+        if a is None or b is None:
+            continue
+        for name in ("log_probs", "entropy"):
+            got, want = getattr(b, name, None), getattr(a, name, None)
+            if got is None or want is None:
+                continue
+            for k, tokens in enumerate(mb.layout.share):
+                mask = step.data.loss_mask(mb.samples[k])
+                for e, j in enumerate(tokens):
+                    if int(mask[j]) and not _same(got[k][e], want[k][e]):
+                        sample = mb.samples[k]
+                        return (f"{name} of sample {sample} response token {j} (unmasked): {_pair(want[k][e], got[k][e])}",
+                                {"field": name, "sample": sample, "token": j})
+    for mb, a, b in zip(step.micro, clean.losses, poisoned.losses):
+        if a is not None and (b is None or not _same(a, b)):
+            return (f"the loss of micro-batch {mb.index}: {_pair(a, b)}", {"field": "loss"})
+    unmasked = ~masked_rows(step.data)
+    differ = (clean.grad.view(torch.int32) != poisoned.grad.view(torch.int32)).any(dim=1) & unmasked
+    if bool(differ.any()):
+        row = int(differ.nonzero()[0])
+        sample = next(i for i in range(len(step.scenario.samples)) if row < _offsets(step)[i + 1])
+        position = row - _offsets(step)[sample]
+        column = int((clean.grad[row].view(torch.int32) != poisoned.grad[row].view(torch.int32)).nonzero()[0])
+        token = position - (step.scenario.samples[sample].prompt - 1)
+        return (f"the step's gradient at sample {sample} response token {token} (row {position}, unmasked) column "
+                f"{step.columns[0] + column}: {_pair(clean.grad[row, column], poisoned.grad[row, column])}",
+                {"field": "grad", "sample": sample, "token": token, "position": position})
+    return None
+
+
+def _kept(out: Any) -> Any:
+    """A micro-batch's outputs as values (detached copies), or None where they cannot be read."""
+    import types
+
+    def values(xs: Any) -> Any:
+        if xs is None:
+            return None
+        return [x.detach().clone() if isinstance(x, torch.Tensor) else None for x in xs]
+
+    if out is None:
+        return None
+    return types.SimpleNamespace(log_probs=values(getattr(out, "log_probs", None)),
+                                 entropy=values(getattr(out, "entropy", None)))
+
+
+def _offsets(step: Step) -> list[int]:
+    out = [0]
+    for s in step.scenario.samples:
+        out.append(out[-1] + s.total)
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise the same (NaN against NaN of the same bits included)."""
+    a, b = a.detach().reshape(1), b.detach().reshape(1)
+    if a.dtype != b.dtype:
+        return False
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(a.view(width) == b.view(width))
+
+
+def _pair(clean: torch.Tensor, poisoned: torch.Tensor) -> str:
+    return f"{float(clean):.6g} in the clean run, {float(poisoned):.6g} with NaN at the masked positions"
