@@ -288,6 +288,14 @@ class ArealDataPath:
         padded = self.micro_batches(rollout).padded_mbs[0]
         return self.functions()[PREPROCESS](padded["input_ids"], padded["cu_seqlens"])[0]
 
+    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
+        """The sequence boundaries the model's attention gets: the PackedSeqParams that
+        preprocess_packed_seqs_context_parallel builds from pad_mb_list's padded micro-batch."""
+        padded = self.micro_batches(rollout).padded_mbs[0]
+        params = self.functions()[PREPROCESS](padded["input_ids"], padded["cu_seqlens"])[1]
+        return {"cu_seqlens": params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None
+                else params.cu_seqlens_q}
+
     def release(self) -> None:
         self._fns = None
 

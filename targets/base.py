@@ -341,6 +341,11 @@ class DataPath(Protocol):
     code with the process groups the harness set up. The harness calls it with a
     position-encoded rollout to learn the layout (:mod:`shardcheck.harness.traced_layout`) and
     with the real one to see that the framework laid the real tokens out the same way.
+
+    Optional, ``model_inputs(rollout)``: what else the framework's code hands this rank's model,
+    as a dict with "position_ids" (one per local row, flattened as the tokens) and / or
+    "cu_seqlens" (the packed stream's sequence boundaries); the harness checks them against the
+    learned layout (:mod:`shardcheck.harness.rank.model_inputs`).
     """
 
     name: str

@@ -292,17 +292,23 @@ MUTANTS: dict[str, type[Mutant]] = {
 
 
 TRACED = "traced"
+# builtin:traced with a bug planted in what its data path hands the model (targets/own_layout.py)
+TRACED_BUGS = {
+    "traced_zero_length_sequence": "builtin:traced, its cu_seqlens ending with a sequence of zero length",
+    "traced_positions_not_zigzag": "builtin:traced, its position ids counting each sample's local rows from 0, "
+                                   "not the zigzag chunks' positions",
+}
 
 
 def builtin(variant: str | None = None) -> BuiltinTarget:
     """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
     if variant is None:
         return BuiltinTarget()
-    if variant == TRACED:
-        from shardcheck.targets.own_layout import traced
+    if variant == TRACED or variant in TRACED_BUGS:
+        from shardcheck.targets.own_layout import DATA_PATHS, traced
 
-        target = traced(BuiltinTarget())
-        target.name = f"builtin:{TRACED}"
+        target = traced(BuiltinTarget(), DATA_PATHS[variant])
+        target.name = f"builtin:{variant}"
         return target
     if variant in LOSSES:  # the training step's loss and its planted bugs (targets/builtin_loss.py)
         loss = LOSSES[variant]()
@@ -317,4 +323,4 @@ def builtin(variant: str | None = None) -> BuiltinTarget:
 
 builtin.variants = {name: " ".join((cls.__doc__ or "").split()) for name, cls in MUTANTS.items()} | describe_variants() | {  # type: ignore[attr-defined]
     TRACED: "builtin, its rows laid out by shardcheck's own layout run as a framework's data path and learned "
-            "through the position trace (proves the trace: must pass wherever builtin does)"}  # type: ignore[attr-defined]
+            "through the position trace (proves the trace: must pass wherever builtin does)"} | TRACED_BUGS  # type: ignore[attr-defined]

@@ -34,6 +34,41 @@ class OwnDataPath:
     def local_tokens(self, rollout: Rollout) -> torch.Tensor:
         return harness_local_tokens(self.layout(rollout), rollout.tokens)
 
+    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
+        """What the model gets besides the tokens: each local row's position (0 on padding), and
+        for packed layouts the packed stream's sequence boundaries (zigzag: each sample padded to
+        a multiple of 2 cp, as megatron's CP attention takes it; all-gather: the tail padding as a
+        sequence of its own, where there is any)."""
+        layout = self.layout(rollout)
+        samples = layout.scenario.samples
+        positions = [pos if stream < len(samples) and pos < samples[stream].total else 0
+                     for stream, pos in self.positions(layout)]
+        out: dict[str, Any] = {"position_ids": torch.tensor(positions, dtype=torch.int64)}
+        if rollout.layout != "bshd":
+            out["cu_seqlens"] = torch.tensor(self.boundaries(layout), dtype=torch.int32)
+        return out
+
+    def positions(self, layout: RankLayout) -> list[tuple[int, int]]:
+        """(stream, position) of every local row."""
+        return layout.row_positions()
+
+    def boundaries(self, layout: RankLayout) -> list[int]:
+        """The packed stream's cu_seqlens."""
+        sc = layout.scenario
+        cp = sc.cp
+        lengths = [s.total for s in sc.samples]
+        if sc.layout == "zigzag":
+            lengths = [-(-t // (2 * cp)) * 2 * cp for t in lengths]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        if sc.layout == "allgather":
+            unit = cp * sc.tp
+            padded = -(-cu[-1] // unit) * unit
+            if padded > cu[-1]:
+                cu.append(padded)
+        return cu
+
     def layout(self, rollout: Rollout) -> RankLayout:
         from megatron.core import parallel_state as mpu
 
@@ -44,7 +79,33 @@ class OwnDataPath:
         return rank_layout(sc, mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank())
 
 
-def traced(base: Any) -> Any:
-    """``base`` (a builtin target) with its rows laid out through :class:`OwnDataPath`."""
-    base.data_path = OwnDataPath()
+class ZeroLengthSequence(OwnDataPath):
+    """planted: cu_seqlens ends with a sequence of zero length (its last boundary twice), as a
+    padding step that appends the padded length when there was nothing to pad"""
+
+    def boundaries(self, layout: RankLayout) -> list[int]:
+        cu = super().boundaries(layout)
+        return cu + [cu[-1]]
+
+
+class PositionsNotZigzag(OwnDataPath):
+    """planted: each sample's position ids count its local rows from 0 (0, 1, 2, ...), not the
+    positions of the rank's two zigzag chunks"""
+
+    def positions(self, layout: RankLayout) -> list[tuple[int, int]]:
+        seen: dict[int, int] = {}
+        out = []
+        for stream, _ in layout.row_positions():
+            out.append((stream, seen.get(stream, 0)))
+            seen[stream] = seen.get(stream, 0) + 1
+        return out
+
+
+DATA_PATHS = {"traced": OwnDataPath, "traced_zero_length_sequence": ZeroLengthSequence,
+              "traced_positions_not_zigzag": PositionsNotZigzag}
+
+
+def traced(base: Any, path: type[OwnDataPath] = OwnDataPath) -> Any:
+    """``base`` (a builtin target) with its rows laid out through ``path`` (:class:`OwnDataPath`)."""
+    base.data_path = path()
     return base

@@ -124,6 +124,11 @@ class SlimeDataPath:
     def local_tokens(self, rollout: Rollout) -> torch.Tensor:
         return self.batch(rollout)["tokens"]
 
+    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
+        """The sequence boundaries get_batch hands the model's attention (its PackedSeqParams)."""
+        params = self.batch(rollout).get("packed_seq_params")
+        return {"cu_seqlens": params.cu_seqlens_q} if params is not None else {}
+
     def batch(self, rollout: Rollout, extra: dict[str, list] | None = None) -> dict[str, Any]:
         """get_batch's micro-batch of ``rollout`` (``extra``: more per-sample keys, as the
         training step asks for them: advantages, log_probs, ...)."""

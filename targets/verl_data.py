@@ -168,6 +168,19 @@ class VerlEngineDataPath(_VerlPacking):
     def local_tokens(self, rollout: Rollout) -> torch.Tensor:
         return self.pack(self.nested(rollout.tokens), rollout.layout, rollout.knobs)[0]
 
+    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
+        """What the packing hands the model besides the tokens: the PackedSeqParams' boundaries
+        (the padded ones where it has them) and, where it returns them, the rows' position ids."""
+        packed = self.pack(self.nested(rollout.tokens), rollout.layout, rollout.knobs)
+        out: dict[str, Any] = {}
+        params = packed[1] if len(packed) > 1 else None
+        if params is not None and hasattr(params, "cu_seqlens_q"):
+            padded = getattr(params, "cu_seqlens_q_padded", None)
+            out["cu_seqlens"] = padded if padded is not None else params.cu_seqlens_q
+        if len(packed) > 2 and packed[2] is not None:
+            out["position_ids"] = packed[2]
+        return out
+
 
 class VerlLegacyDataPath(_VerlPacking):
     """verl's legacy actor packing: preprocess_packed_seqs on the padded batch."""

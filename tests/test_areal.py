@@ -527,3 +527,29 @@ def test_the_cp_convention_follows_the_commit(world, tmp_path, monkeypatch):
     run, verdicts = _run(world, tmp_path, monkeypatch, "areal:forward", FORWARD_UNDER_CP,
                          src=_export(tmp_path, CP_LOCAL), commit=CP_LOCAL)
     assert run.exit_code == 1 and verdicts["forward-cp1"]["verdict"] == "pass"
+
+
+PR_1104 = "be621da55"  # "fix pad_packed_tensor_dict": no padding sequence where there is nothing to pad
+PAGE = [{"name": "packed-to-a-page", "samples": [[200, 50], [56, 10]], "vocab": 32, "seed": 1104},
+        {"name": "packed-to-a-page-cp2", "samples": [[200, 50], [56, 10]], "vocab": 32, "cp": 2, "layout": "zigzag",
+         "seed": 1104}]
+
+
+@needs_history
+@pytest.mark.world
+def test_a_zero_length_sequence_handed_to_the_model_fixed_at_be621da55(world2, tmp_path, monkeypatch):
+    """pad_packed_tensor_dict appended the padded length to cu_seqlens even when there was nothing
+    to pad: two samples filling AReaL's 256-token page exactly gave the model's attention a
+    sequence of zero length (cu_seqlens [0, 200, 256, 256]). What the model is handed is checked
+    against the learned layout (harness/rank/model_inputs.py): a layout_mismatch at the parent,
+    nothing at the fix."""
+    run, verdicts = _run(world2, tmp_path, monkeypatch, "areal", PAGE, src=_export(tmp_path, f"{PR_1104}~1"),
+                         commit=f"{PR_1104}~1")
+    assert run.exit_code == 1, run.stdout[-3000:]
+    for name in ("packed-to-a-page", "packed-to-a-page-cp2"):
+        [failure] = verdicts[name]["failures"]
+        assert failure["kind"] == "layout_mismatch", failure
+        assert failure["message"].endswith("handed the model cu_seqlens [0, 200, 256, 256]: sequence 2 has zero "
+                                           "length (256 to 256)"), failure["message"]
+    run, verdicts = _run(world2, tmp_path, monkeypatch, "areal", PAGE, src=_export(tmp_path, PR_1104), commit=PR_1104)
+    assert run.exit_code == 0, run.stdout[-3000:]

@@ -607,3 +607,25 @@ def test_a_repro_script_shows_the_legacy_actor_crash_with_torch_and_verl_alone(t
     assert in_place.returncode == 1 and "changed the logits in place in the backward (aten.sub_" in in_place.stdout
     assert "tensor_parallel.py:133" in in_place.stdout, in_place.stdout
 
+
+
+PR_6267 = "b916f6036"  # "[megatron] fix: fix bugs when using position_ids in cp (#6267)"
+
+
+@pytest.mark.world
+@pytest.mark.skipif(not _repo_with(PR_6267), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
+                    f"holding {PR_6267} (a clone of verl-project/verl with its history)")
+def test_position_ids_handed_to_the_model_under_cp_fixed_at_6267(tmp_path):
+    """Before #6267 preprocess_thd_engine gave the rows of a zigzag CP rank's second chunk position
+    ids that are not their positions (they started past the chunk's start). What the model is
+    handed is checked against the learned layout (harness/rank/model_inputs.py): a
+    layout_mismatch naming the rows at the parent, nothing at the fix."""
+    repo = _repo_with(PR_6267)
+    args = ["run", "--target", "verl:actor", "--suite", "smoke", "--scenario", "zigzag-tp1cp2-basic", "--no-inplace"]
+    before = run_cli(*args, "--verl-src", export_commit(repo, f"{PR_6267}~1", tmp_path / "before", "verl"),
+                     cwd=str(tmp_path))
+    assert before.returncode == 1, before.stdout[-3000:] + before.stderr[-2000:]
+    assert ("preprocess_thd_engine / preprocess_bshd_engine handed the model position ids that are not the rows' "
+            "positions: row 6 (sample 0 position 12) holds 18") in before.stdout, before.stdout[-3000:]
+    after = run_cli(*args, "--verl-src", export_commit(repo, PR_6267, tmp_path / "after", "verl"), cwd=str(tmp_path))
+    assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-2000:]

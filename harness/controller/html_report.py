@@ -187,7 +187,7 @@ def _scenario(entry: dict[str, Any], target_spec: str | None, repro: bool = Fals
         if target_spec:
             out.append(f"<p>To run it again, save it as <code>scenario.json</code>, then:</p><pre class=replay>"
                        f"shardcheck run --target {_e(target_spec)} --scenario-file scenario.json</pre>")
-            if repro and _scriptable(scenario):
+            if repro and _scriptable(scenario, entry.get("kinds") or []):
                 out.append(f"<p>As a script that needs only torch and the code under test:</p><pre class=replay>"
                            f"shardcheck repro --target {_e(target_spec)} --scenario-file scenario.json "
                            f"--scenario {_e(shlex.quote(entry.get('name', '?')))}</pre>")
@@ -195,12 +195,12 @@ def _scenario(entry: dict[str, Any], target_spec: str | None, repro: bool = Fals
     return out
 
 
-def _scriptable(scenario: dict[str, Any]) -> bool:
-    from shardcheck.harness.controller.repro import scenario_refusal
+def _scriptable(scenario: dict[str, Any], kinds: list[str]) -> bool:
+    from shardcheck.harness.controller.repro import kinds_refusal, scenario_refusal
     from shardcheck.scenarios import Scenario
 
     try:
-        return scenario_refusal(Scenario.from_dict(scenario)) is None
+        return scenario_refusal(Scenario.from_dict(scenario)) is None and kinds_refusal(kinds) is None
     except Exception:  # noqa: BLE001  (a page of an older report: say nothing of it)
         return False
 

@@ -329,7 +329,7 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
         if v.status == FAIL:
             lines.append("")
             lines.append(render_failure(v))
-            if info.repro and _repro_refusal(v.scenario) is None:
+            if info.repro and _repro_refusal(v.scenario, v.kinds) is None:
                 lines.append("  as a script needing only torch: " + info.repro.format(scenario=shell_word(v.scenario.name)))
     c = _counts(verdicts)
     start = info.startup_seconds
@@ -365,10 +365,10 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
     return "\n".join(lines)
 
 
-def _repro_refusal(scenario: Scenario) -> str | None:
-    from shardcheck.harness.controller.repro import scenario_refusal  # torch: only once a failure is shown
+def _repro_refusal(scenario: Scenario, kinds: list[str]) -> str | None:
+    from shardcheck.harness.controller.repro import kinds_refusal, scenario_refusal  # torch: only once shown
 
-    return scenario_refusal(scenario)
+    return scenario_refusal(scenario) or kinds_refusal(kinds)
 
 
 def scenario_count(done: int, planned: int | None) -> str:

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,17 @@ def scenario_refusal(scenario: Scenario) -> str | None:
     if scenario.processed or scenario.sampling:
         return ("it renormalises over kept tokens (top-k/top-p, replayed keep sets): "
                 "repro does not write those yet")
+    return None
+
+
+# failures a script does not look for: what the model is handed, a training step's masked NaN
+NOT_SCRIPTED = ("layout_mismatch", "mask_leak")
+
+
+def kinds_refusal(kinds: Sequence[str]) -> str | None:
+    """Why a failure of these kinds alone is not written as a script, or None."""
+    if kinds and set(kinds) <= set(NOT_SCRIPTED):
+        return f"a script does not look for {' or '.join(sorted(set(kinds)))} yet"
     return None
 
 

@@ -47,7 +47,13 @@ def layout_for(target: Any, data: ScenarioData, tp_rank: int, cp_rank: int, rank
     traced = path.local_tokens(rollout(data, traced_layout.encoded_tokens(sc), knobs))
     layout = traced_layout.decode(sc, tp_rank, cp_rank, traced.detach().cpu(), path.name)
     real = rollout(data, [data.tokens(i) for i in range(len(sc.samples))], knobs)
-    return layout, real, _moved_tokens(layout, path.local_tokens(real), real.tokens, rank)
+    found = _moved_tokens(layout, path.local_tokens(real), real.tokens, rank)
+    handed = getattr(path, "model_inputs", None)  # optional: what else the model is handed
+    if handed is not None:
+        from shardcheck.harness.rank.model_inputs import check_model_inputs
+
+        found += check_model_inputs(layout, handed(real), rank)
+    return layout, real, found
 
 
 def _moved_tokens(layout: RankLayout, local: torch.Tensor, tokens: list[torch.Tensor], rank: int) -> list[Failure]:
