@@ -1065,3 +1065,18 @@ class OneUlpUpFirstInBatch(BuiltinTarget):
             step = torch.nextafter(lp[k], torch.tensor(float("inf"), dtype=lp.dtype)) - lp[k]
             out.log_probs[0] = _shifted_at(out.log_probs[0], k, float(step))
         return out
+
+
+from shardcheck.targets.builtin_loss import BuiltinLoss  # noqa: E402  (the step plants below)
+
+
+class StepLossMissesLogits(BuiltinLoss):
+    """builtin:loss, whose loss on a rank with no response token in its share is a fresh zero that
+    does not reach the logits: the model's CP collective in backward is skipped there (a hang in
+    training, slime's before #1678)"""
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        out = super().compute(inputs)
+        if all(lp.numel() == 0 for lp in out.log_probs):
+            out.loss = torch.zeros((), requires_grad=True) * 1.0  # in the graph, not the logits'.
+        return out

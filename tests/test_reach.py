@@ -48,3 +48,19 @@ def test_coverage_needs_a_target_with_framework_files(cli_in_process):
     got = cli_in_process("run", "--target", "builtin", "--coverage")
     assert got.returncode == 2 and got.stderr.count("\n") == 1
     assert "--coverage: target 'builtin' names no framework source files" in got.stderr
+
+
+def test_a_step_target_also_measures_megatron_cores_schedule_and_ddp(tmp_path):
+    """For a loss that runs in a training step, megatron-core's schedule and DDP modules are
+    measured too (named megatron-core/...), and their functions named from the installed files."""
+    from shardcheck.harness.rank.reach import STEP_FILES, step_files
+    from shardcheck.targets import resolve
+
+    files = step_files(resolve("builtin:loss"))
+    assert sorted(files) == sorted(f"megatron-core/{rel}" for rel in STEP_FILES)
+    assert step_files(resolve("builtin")) == {}
+    rel = "megatron-core/megatron/core/pipeline_parallel/schedules.py"
+    reach = Reach(str(tmp_path))  # the checkout holds no megatron-core: the path comes with the lines
+    body = dict(_functions(files[rel]))["forward_backward_no_pipelining"]
+    reach.add({rel: {"executed": sorted(body)[:3], "statements": sorted(body), "path": files[rel]}})
+    assert reach.summary()["files"][rel]["functions"] == [f"{rel}:forward_backward_no_pipelining"]

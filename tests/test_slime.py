@@ -392,3 +392,20 @@ def test_the_per_token_loss_scale_slime_fixed_twice(tmp_path):
     assert "is x 0.250 the reference's on every row (= 1 / cp)" in said["before 990"], said
     assert "has the declared token_mean's scale (x 1.000 on every row)" in said["990"], said
     assert all("beyond that its elements differ by up to 0.2" in line for line in said.values()), said
+
+
+@needs_slime
+@pytest.mark.world
+def test_coverage_of_slimes_loss_names_the_entry_point_the_schedule_and_ddp(tmp_path):
+    report = tmp_path / "r.json"
+    proc = run_cli("run", "--target", "slime:loss", "--suite", "training", "--scenario", "step-thd-dp2-mb3",
+                   "--coverage", "--no-mask-leak", "--json-report", str(report))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    files = json.loads(report.read_text())["coverage"]["files"]
+    ran = {name for f in files.values() for name in f["functions"]}
+    for name in ("slime/backends/megatron_utils/loss.py:loss_function",
+                 "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
+                 "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads",
+                 "megatron-core/megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBucketGroup."
+                 "finish_grad_sync"):
+        assert name in ran, sorted(ran)

@@ -19,18 +19,22 @@ class Reach:
         self.src = src
         self.executed: dict[str, set[int]] = {}
         self.statements: dict[str, set[int]] = {}
+        self.paths: dict[str, str] = {}  # files outside the checkout (megatron-core's): where they are
 
     def add(self, reached: dict[str, Any] | None) -> None:
         for rel, lines in (reached or {}).items():
             self.executed.setdefault(rel, set()).update(lines["executed"])
             self.statements.setdefault(rel, set()).update(lines["statements"])
+            if rel.startswith("megatron-core/") and lines.get("path"):
+                self.paths[rel] = lines["path"]
 
     def summary(self) -> dict[str, Any]:
         """{"files": {rel: {"lines", "statements", "percent", "functions", "not_reached"}}, ...}."""
         files = {}
         for rel in sorted(self.statements):
             executed, statements = self.executed[rel] & self.statements[rel], self.statements[rel]
-            functions = _functions(os.path.join(self.src, rel)) if self.src else []
+            path = self.paths.get(rel) or (os.path.join(self.src, rel) if self.src else None)
+            functions = _functions(path) if path else []
             ran = [f"{rel}:{name}" for name, body in functions if body & executed]
             missed = [f"{rel}:{name}" for name, body in functions if body and not body & executed]
             files[rel] = {"lines": len(executed), "statements": len(statements),
@@ -70,7 +74,8 @@ def render(summary: dict[str, Any] | None, width: int = 6) -> list[str]:
     """The terminal's lines: per file its line coverage, the functions that ran and those that did not."""
     if not summary or not summary.get("files"):
         return []
-    lines = ["framework code reached (--coverage; lines of its log-prob, data and loss modules that ran):"]
+    lines = ["framework code reached (--coverage; lines of its log-prob, data and loss modules that ran, and of "
+             "megatron-core's schedule and DDP in a training step):"]
     for rel, f in summary["files"].items():
         lines.append(f"  {rel}: {f['percent']}% of {f['statements']} statements")
         ran = [n.split(":", 1)[1] for n in f["functions"]]

@@ -19,11 +19,12 @@ DEFAULT_CP = (1, 2, 4, 8, 16, 32)
 DEFAULT_OUT = ".shardcheck/simulate-failure.json"
 
 
-def check_sizes(sizes: Sequence[int], max_world: int, where: str) -> None:
-    """One line, before anything runs, for a layout past ``--max-world``."""
+def check_sizes(sizes: Sequence[int], max_world: int, where: str, product: str = "tp * cp") -> None:
+    """One line, before anything runs, for a layout past ``--max-world`` (``product``: what a
+    size is the product of)."""
     big = [n for n in sizes if n > max_world]
     if big:
-        raise BadInput(f"{where}: tp * cp = {max(big)} exceeds --max-world {max_world}")
+        raise BadInput(f"{where}: {product} = {max(big)} exceeds --max-world {max_world}")
 
 
 def main(args: argparse.Namespace, scenarios: list[Scenario] | None, target_args: list[str]) -> int:
@@ -31,7 +32,7 @@ def main(args: argparse.Namespace, scenarios: list[Scenario] | None, target_args
 
     runner.controller_target(args.target)  # an unknown target: one line, before anything starts
     if scenarios is not None:
-        check_sizes([s.ranks for s in scenarios], args.max_world, "a scenario")
+        check_sizes([s.ranks for s in scenarios], args.max_world, "a scenario", "dp * tp * cp")
         with FakeWorld(sorted({s.ranks for s in scenarios}), timeout=args.timeout) as world:
             result = runner.run(scenarios, args.target, reporter=Reporters(TerminalReport(quiet=args.quiet)),
                                 world=world, inplace=not args.no_inplace)

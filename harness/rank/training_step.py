@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from shardcheck.scenarios.layout import Piece, RankLayout
 
@@ -40,7 +39,7 @@ SCHEDULE = "megatron.core.pipeline_parallel.schedules.forward_backward_no_pipeli
 REDUCTION = "megatron.core.distributed.DistributedDataParallel, finalize_model_grads"
 CPU_DEVICE_SHIM = ("torch.cuda.current_device() answered 'cpu' while megatron-core's DistributedDataParallel "
                    "allocated its gradient buffer (a CPU world)")
-CPU_COUNTER_SHIM = ("torch.zeros(device='cuda') placed on the CPU while megatron-core's schedule ran (its "
+CPU_COUNTER_SHIM = ("torch.zeros(device='cuda') placed on the CPU in megatron-core's schedule module (its "
                     "total_num_tokens counter; a CPU world)")
 
 
@@ -108,20 +107,38 @@ class LogitsTable(torch.nn.Module):
         return logits
 
 
-class _CudaCounterOnCpu(TorchFunctionMode):
-    """``torch.zeros(..., device="cuda")`` on the CPU: megatron's schedule makes its token counter so."""
+class _TorchWithCpuCounters:
+    """torch, as megatron-core's schedule module sees it on a CPU world: its
+    ``torch.zeros(..., device="cuda")`` token counter is made on the CPU; all else is torch's."""
 
     def __init__(self, notes: list[str]) -> None:
-        super().__init__()
-        self.notes = notes
+        self._notes = notes
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.zeros and str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs = {**kwargs, "device": "cpu"}
-            if CPU_COUNTER_SHIM not in self.notes:
-                self.notes.append(CPU_COUNTER_SHIM)
-        return func(*args, **kwargs)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def zeros(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+            if CPU_COUNTER_SHIM not in self._notes:
+                self._notes.append(CPU_COUNTER_SHIM)
+        return torch.zeros(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _schedule_counter_on_cpu(notes: list[str]) -> Iterator[None]:
+    """The shim in megatron-core's schedule module only (the code under test sees torch as it is)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    saved = schedules.torch
+    schedules.torch = _TorchWithCpuCounters(notes)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        schedules.torch = saved
 
 
 @contextlib.contextmanager
@@ -240,7 +257,8 @@ def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
     masked = masked_rows(step.data) if "logits" in poison else None
     module = LogitsTable(step.data, step.columns, runner.device or "cpu", masked)
     module.cp_group = groups.cp_group()
-    with _current_device_on_cpu(step.notes):
+    with _current_device_on_cpu(step.notes), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
         model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -280,7 +298,9 @@ def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
         mb = next(data_iterator)
         return model(mb), functools.partial(loss_func, mb)
 
-    with _CudaCounterOnCpu(step.notes) if not torch.cuda.is_available() else contextlib.nullcontext():
+    with _schedule_counter_on_cpu(step.notes), warnings.catch_warnings():
+        # megatron-core's notice as it imports its norms lazily: the harness's import, not the target's
+        warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(step.micro), model=[model],
                                     num_microbatches=len(step.micro), seq_length=0, micro_batch_size=0,
                                     forward_only=False)
