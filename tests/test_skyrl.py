@@ -233,7 +233,8 @@ def test_smoke_passes_but_for_the_entropy_of_half_precision_logits(world, tmp_pa
     assert report["target"]["src"] == str(FRAMEWORK.source()) and report["target"]["era"]["thd_path"]
     for name, v in verdicts.items():
         if v["verdict"] == "skip":
-            assert v["reason"] in (ALLGATHER_WHY, skyrl.REPLAY_WHY), (name, v["reason"])
+            assert v["reason"] in (ALLGATHER_WHY, skyrl.REPLAY_WHY) or v["reason"].startswith(
+                "a training step"), (name, v["reason"])  # the smoke suite's step cells: not this loss
             continue
         assert v["layout_built_by"] == DATA_PATH, name
         if v["scenario"]["dtype"] == "float16":
