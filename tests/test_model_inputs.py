@@ -72,3 +72,16 @@ def test_no_script_is_offered_for_what_a_script_does_not_look_for():
     assert kinds_refusal(["layout_mismatch"]) == "a script does not look for layout_mismatch yet"
     assert kinds_refusal(["mask_leak", "layout_mismatch"]) is not None
     assert kinds_refusal(["layout_mismatch", "grad_mismatch"]) is None and kinds_refusal([]) is None
+
+
+def test_repro_refuses_a_report_whose_failure_a_script_does_not_look_for(tmp_path, cli_in_process):
+    import json
+
+    scenario = get_suite("smoke")[0]
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"target_spec": "builtin:traced_zero_length_sequence", "scenarios": [
+        {"name": scenario.name, "verdict": "fail", "scenario": scenario.to_dict(),
+         "failures": [{"kind": "layout_mismatch", "message": "cu_seqlens ... zero length"}]}]}))
+    got = cli_in_process("repro", "--report", str(report), "--scenario", scenario.name, "--out", str(tmp_path / "s.py"))
+    assert got.returncode == 2 and "a script does not look for layout_mismatch yet" in got.stderr, got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1 and not (tmp_path / "s.py").exists()

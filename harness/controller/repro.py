@@ -59,6 +59,9 @@ def from_report(path: str, name: str) -> Reported:
     failures = entries[0].get("failures") or []
     if not failures:
         raise BadInput(f"scenario {name!r} did not fail in {path} ({entries[0].get('verdict')}): nothing to reproduce")
+    refused = kinds_refusal([f.get("kind", "") for f in failures])
+    if refused:
+        raise BadInput(f"scenario {name!r} in {path}: {refused}")
     layouts = {int(r): lay for r, lay in (entries[0].get("layouts") or {}).items()}
     given = doc.get("target_config") or None
     config = TargetConfig(given.get("src"), tuple(tuple(kv) for kv in given.get("options", []))) if given else None
