@@ -1,7 +1,7 @@
 """Every rank of a world far larger than the machine, in turn, in one process.
 
 Each rank joins torch's fake process group (the ``fake`` backend over a ``FakeStore``: every
-collective returns at once, moving no data) as that rank of a world of ``tp * cp``; megatron-core
+collective returns at once, moving no data) as that rank of a world of ``dp * tp * cp``; megatron-core
 builds its groups for that world (``groups.configure``: ``initialize_model_parallel``, its rank
 lists computed once per layout and only the rank's own groups created:
 ``groups.share_rank_lists``); the rank
@@ -34,7 +34,7 @@ FAKE = "fake"
 def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, checks: Checks,
               ranks: list[int], starting: Any = None, share_rank_lists: bool = True,
               ) -> list[tuple[RankResult, dict[str, str]]]:
-    """The scenario on each of ``ranks`` of its ``tp * cp`` world in turn: per rank, its result
+    """The scenario on each of ``ranks`` of its ``dp * tp * cp`` world in turn: per rank, its result
     (with its whole trace) and what each group it called in is for ("tp", "cp", ...).
     ``starting(rank)`` is told as each begins (the controller's deadline follows it).
     ``share_rank_lists``: megatron's rank lists computed once for the layout, only the rank's own
@@ -45,7 +45,7 @@ def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, chec
 
     from shardcheck.harness.rank import groups, trace
 
-    world = int(scenario["tp"]) * int(scenario.get("cp", 1))
+    world = int(scenario.get("dp", 1)) * int(scenario["tp"]) * int(scenario.get("cp", 1))
     traced = dataclasses.replace(checks, trace_calls=True, reference=False)
     out = []
     groups.share_rank_lists(share_rank_lists)
