@@ -176,6 +176,18 @@ def test_the_mask_leak_check_can_be_turned_off_and_the_report_says_so(world):
 
 
 @pytest.mark.world
+def test_a_loss_that_misses_its_logits_is_a_hang_between_the_models_backward_and_the_gradient_sync(world):
+    """A rank whose loss does not reach its logits (an empty CP share) skips the model's CP
+    collective in backward and goes on to DDP's gradient all-reduce: the lockstep names both sides,
+    the gradient sync as such (not as forward)."""
+    sc = Scenario("misses", [Sample(61, 3), Sample(40, 2)], vocab=16, dp=2, cp=2, layout="zigzag")
+    [v] = _run(world, "plants:StepLossMissesLogits", [sc]).verdicts
+    assert v.status == "fail" and v.kinds == ["collective_mismatch"], v.headline()
+    message = v.failures[0].message
+    assert "in backward" in message and "in gradient sync at megatron/core/distributed/" in message, message
+
+
+@pytest.mark.world
 def test_a_bug_the_step_cancels_passes_where_its_factor_is_one(world):
     """The CP factor missing is no bug at cp 1 (the factor is 1): the check is not a blanket fail."""
     result = _run(world, "builtin:loss_cp_missing", _training("step-thd-dp2-mb3", "step-thd-dp4"))

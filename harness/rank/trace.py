@@ -14,13 +14,14 @@ number within its group.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import sys
 import sysconfig
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -92,7 +93,7 @@ class Call:
     dtype: str | None
     reduce_op: str | None
     root: int | None
-    phase: str  # forward | backward
+    phase: str  # forward | backward | gradient sync (a training step's, after its last backward)
     site: str  # file:line of the first frame outside torch and the harness
     # that frame and its callers (outside torch and the harness): two calls of the same shape
     # through one helper differ here, so a skipped call cannot silently pair with the next one
@@ -139,6 +140,7 @@ class Trace:
 # The process-wide state of the trace (reset by :func:`reset`):
 _lock = threading.Lock()
 _active: Trace | None = None  # one scenario at a time per rank; calls from any thread land here
+_label: str | None = None  # the phase of calls outside autograd's backward, where not forward (labelled)
 _library: Any = None
 _group_ranks: dict[str, list[int]] = {}  # group name -> global ranks (names are unique per process)
 
@@ -171,6 +173,18 @@ def reset() -> None:
         _active = None
         _group_ranks.clear()
         _backend.failed = False
+
+
+@contextlib.contextmanager
+def labelled(phase: str) -> Iterator[None]:
+    """Calls issued inside (outside autograd's backward) are of ``phase``, not forward: a
+    training step's gradient sync after the last backward ("gradient sync")."""
+    global _label
+    saved, _label = _label, phase
+    try:
+        yield
+    finally:
+        _label = saved
 
 
 def start(checker: Checker | None = None) -> Trace:
@@ -235,7 +249,7 @@ def _record(name: str, args: tuple, trace: Trace) -> Call | None:
     red = next((a for a in args if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type())), None)
     stack = call_stack()
     node = torch._C._current_autograd_node()
-    phase = "backward" if node is not None else "forward"
+    phase = "backward" if node is not None else (_label or "forward")
     call = Call(
         op=_PUBLIC_NAMES[name],
         group=group,
