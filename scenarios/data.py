@@ -33,7 +33,11 @@ def _generator(*key: object) -> torch.Generator:
 
 
 LOSS_FORMS = ("weighted", "policy", "step")
-OBJECTIVES = ("sample_mean", "token_mean")
+# a training step's objectives over the global batch (loss "step"), as every report words them
+OBJECTIVES = {
+    "sample_mean": "each sample's masked token mean, averaged over the samples",
+    "token_mean": "the mean over every masked-in token of the global batch",
+}
 MASKED_FRACTION = 0.15  # policy form: response tokens whose loss mask is 0
 
 
@@ -52,7 +56,7 @@ class ScenarioData:
         if loss not in LOSS_FORMS:
             raise ValueError(f"loss form must be one of {LOSS_FORMS}, got {loss!r}")
         if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.scenario = scenario
         self.loss = loss
         self.objective = objective
@@ -155,16 +159,12 @@ class ScenarioData:
         D = max(sum m, 1), loss = sum(-A * m / D * ratio) - entropy_coef * sum(m / D * entropy),
         whose gradient is that of w_logprob = -A * m / D, w_entropy = m / D.
         """
-        if self.loss == "step":  # the global objective: the same PPO loss, reduced over the whole batch
+        if self.loss in ("policy", "step"):
             mask = self.loss_mask(sample).float()
-            if self.objective == "token_mean":
-                denom = float(self.masked_in_tokens())
-            else:
-                denom = float(mask.sum().clamp_min(1)) * len(self.scenario.samples)
-            return -self.advantages(sample) * mask / denom, mask / denom
-        if self.loss == "policy":
-            mask = self.loss_mask(sample).float()
-            denom = mask.sum().clamp_min(1)
+            denom: torch.Tensor | float = mask.sum().clamp_min(1)
+            if self.loss == "step":  # the same PPO loss, reduced over the whole batch by the objective
+                denom = (float(self.masked_in_tokens()) if self.objective == "token_mean"
+                         else float(denom) * len(self.scenario.samples))
             return -self.advantages(sample) * mask / denom, mask / denom
         s = self.scenario
         g = _generator(s.seed, "weights", data_id(s, sample))

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from shardcheck.scenarios.data import OBJECTIVES
 from shardcheck.scenarios.layout import local_held_rows, local_row_targets, local_share_rows
 from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
 
@@ -259,12 +260,6 @@ class Definitions:
             out["loss"] = (f"with CP each rank's {held} on the tokens its own rows score, as the layout put them "
                            f"({self.loss_source or 'the framework'}), the loss over those")
         return out
-
-
-OBJECTIVES = {
-    "sample_mean": "each sample's masked token mean, averaged over the samples",
-    "token_mean": "the mean over every masked-in token of the global batch",
-}
 
 
 def definitions(target: Any) -> Definitions:

@@ -60,6 +60,12 @@ def distinct(a: float, b: float) -> tuple[str, str]:
     return f"{a!r}", f"{b!r}"  # alike as numbers (two NaNs): the caller says how their bits differ
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two scalars are bitwise the same (of one dtype; a NaN only against its own bits)."""
+    a, b = a.detach().reshape(1), b.detach().reshape(1)
+    return a.dtype == b.dtype and bool(a.view(_BITS[a.element_size()]) == b.view(_BITS[b.element_size()]))
+
+
 def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> int | None:
     """How many steps of ``dtype`` separate two scalars, each rounded to ``dtype`` first (1: the
     next value); None where either is NaN or ``dtype`` is not floating point."""
@@ -216,10 +222,11 @@ def compare_loss(
 
 def compare_grad(
     layout: RankLayout, data: ScenarioData, grad: torch.Tensor, rank: int, device: torch.device | None = None,
-    entropy_sign: int = 1,
+    entropy_sign: int = 1, wanted: list[torch.Tensor] | None = None,
 ) -> tuple[list[Failure], dict[str, float]]:
     """Check d loss / d local logits against the reference gradient of the global loss (its
-    entropy term as the target defines entropy: ``entropy_sign``)."""
+    entropy term as the target defines entropy: ``entropy_sign``); ``wanted`` gets the
+    reference's chunks, in row order, where it is given."""
     sc = layout.scenario
     dtype = grad.dtype
     grad = grad.detach().reshape(layout.num_rows, -1).cpu().double()
@@ -235,6 +242,8 @@ def compare_grad(
         temperature=sc.temperature, columns=slice(*layout.columns), device=device, keep=source.keep(),
     ):
         want = want.cpu()
+        if wanted is not None:
+            wanted.append(want)
         got = grad[start : start + want.size(0)]
         worst = max(worst, _max_error(got, want))
         bad = mismatch_mask(got, want, tol).nonzero().tolist()
@@ -292,25 +301,20 @@ class ReferenceComparison(Check):
                               life.definitions.entropy_sign))
 
     def after_step(self, life: Life) -> None:
+        wanted: list[torch.Tensor] = []
         failures, worst = compare_grad(life.layout, life.data, life.grad, life.rank, life.reference_device,
-                                       life.definitions.entropy_sign)
+                                       life.definitions.entropy_sign, wanted)
         if failures:
-            failures.insert(0, step_scale_failure(life))
+            failures.insert(0, step_scale_failure(life, torch.cat(wanted)))
         life.add((failures, {"step_grad": worst["grad"]}))
 
 
-def step_scale_failure(life: Life) -> Failure:
-    """What a training step's gradient is off by: one factor on every row, named by the step's
-    sizes where it is one of them ("x 0.500 = 1 / cp"), or a factor per sample. A factor that
-    explains the gradient but for a small rest (a bfloat16 rounding beside a scale error) is still
-    named, with the rest."""
+def step_scale_failure(life: Life, want: torch.Tensor) -> Failure:
+    """What a training step's gradient is off by against the reference's ``want`` (its rows): one
+    factor on every row, named by the step's sizes where it is one of them ("x 0.500 = 1 / cp"),
+    or a factor per sample. A factor that explains the gradient but for a small rest (a bfloat16
+    rounding beside a scale error) is still named, with the rest."""
     sc = life.scenario
-    source = shard.PieceRows(life.data, life.layout.pieces)
-    targets, w_lp, w_ent = shard.row_targets_and_weights(life.data, life.layout)
-    want = torch.cat([chunk for _, chunk in loss_grad_chunks(
-        source, targets, w_lp, w_ent * life.definitions.entropy_sign if sc.with_entropy else None,
-        entropy_coef=sc.entropy_coef, temperature=sc.temperature, columns=slice(*life.layout.columns),
-        device=life.reference_device)]).cpu()
     got = life.grad.detach().reshape(want.shape).cpu().double()
     tol = TOLERANCES[sc.dtype]["grad"]
     where = "the step's gradient (DDP's main_grad, what the optimizer sees)"
@@ -328,11 +332,11 @@ def step_scale_failure(life: Life) -> Failure:
         return Failure(GRAD_MISMATCH, f"{where} is x {factor:.3f} the reference's on every row"
                        + (f" (= {named})" if named else "") + f"{beyond}: {objective} scaled wrong", [life.rank],
                        field="grad", details={**details, "named": named})
-    per_sample = []
-    for i, p in enumerate(life.layout.pieces):
-        start = sum(q.rows for q in life.layout.pieces[:i])
+    per_sample, start = [], 0
+    for p in life.layout.pieces:
         f = scale_of(got[start:start + p.rows], want[start:start + p.rows])
         per_sample.append("?" if f is None else f"{f[0]:.3f}")
+        start += p.rows
     listed = ", ".join(f"sample {i} x {f}" for i, f in enumerate(per_sample[:MAX_LISTED]))
     more = f", +{len(per_sample) - MAX_LISTED} more" if len(per_sample) > MAX_LISTED else ""
     return Failure(GRAD_MISMATCH, f"{where} is off by no one factor: {listed}{more} (not the declared "

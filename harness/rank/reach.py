@@ -37,7 +37,9 @@ STEP_FILES = ("megatron/core/pipeline_parallel/schedules.py", "megatron/core/dis
 def step_files(target: Any) -> dict[str, str]:
     """{"megatron-core/<path>": absolute path} of megatron-core's schedule and DDP modules, for a
     target whose loss runs in a training step; {} for any other."""
-    if getattr(target, "loss_form", "weighted") != "step":
+    from shardcheck.targets.base import loss_form
+
+    if loss_form(target) != "step":
         return {}
     import importlib.util
 

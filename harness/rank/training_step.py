@@ -24,6 +24,7 @@ schedule's ``torch.zeros(..., device="cuda")`` token counter.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from shardcheck.harness.rank.compare import same_bits
 from shardcheck.scenarios.layout import Piece, RankLayout
 
 SCHEDULE = "megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining"
@@ -45,7 +47,8 @@ CPU_COUNTER_SHIM = ("torch.zeros(device='cuda') placed on the CPU in megatron-co
 
 @dataclasses.dataclass
 class MicroBatch:
-    """One micro-batch on this rank: its samples (global indices) and everything its life needs."""
+    """One micro-batch on this rank: its samples (global indices), everything its life needs, and
+    where its local rows are in the stand-in model's table (built once for every run of the step)."""
 
     index: int
     samples: tuple[int, ...]
@@ -53,7 +56,35 @@ class MicroBatch:
     data: Any
     layout: RankLayout
     rollout: Any
-    moved: list[Any]
+    table_rows: torch.Tensor  # per local row, its table row (0 for padding)
+    real: torch.Tensor  # per local row, whether it is a real position (else padding: a constant)
+    padding: torch.Tensor  # the local rows' generated logits, this rank's columns; padding rows read from it
+
+
+def micro_batch(index: int, samples: tuple[int, ...], scenario: Any, data: Any, layout: RankLayout, rollout: Any,
+                offsets: list[int]) -> MicroBatch:
+    """A micro-batch and its rows in the table whose sample ``i`` starts at row ``offsets[i]``."""
+    from shardcheck.harness.rank import shard
+
+    rows, real = [], []
+    for p in layout.pieces:
+        held = p.stream < len(samples)
+        total = scenario.samples[p.stream].total if held else 0
+        base = offsets[samples[p.stream]] if held else 0
+        for pos in range(p.start, p.stop):
+            rows.append(base + pos if pos < total else 0)
+            real.append(pos < total)
+    padding = shard.local_logits(data, layout).reshape(layout.num_rows, -1)
+    return MicroBatch(index, samples, scenario, data, layout, rollout, torch.tensor(rows, dtype=torch.int64),
+                      torch.tensor(real, dtype=torch.bool).unsqueeze(1), padding)
+
+
+def row_offsets(scenario: Any) -> list[int]:
+    """The first table row of each sample, and the table's row count last."""
+    out = [0]
+    for s in scenario.samples:
+        out.append(out[-1] + s.total)
+    return out
 
 
 class LogitsTable(torch.nn.Module):
@@ -68,40 +99,26 @@ class LogitsTable(torch.nn.Module):
 
         super().__init__()
         self.model_type = ModelType.encoder_or_decoder  # what megatron's schedule asks of a model
-        sc = data.scenario
         a, b = columns
-        rows = torch.cat([data.logit_rows(i, 0, s.total)[:, a:b] for i, s in enumerate(sc.samples)])
+        rows = torch.cat([data.logit_rows(i, 0, s.total)[:, a:b] for i, s in enumerate(data.scenario.samples)])
         if poison is not None:
             rows = rows.masked_fill(poison.unsqueeze(1), float("nan"))
         self.table = torch.nn.Parameter(rows.to(device))
         self.poisoned = poison is not None
-        self.offsets = [0]
-        for s in sc.samples:
-            self.offsets.append(self.offsets[-1] + s.total)
         self.cp_group: Any = None
 
     def set_input_tensor(self, tensor: Any) -> None:
         """No pipeline stages: nothing comes from a previous one."""
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        from shardcheck.harness.rank import shard
         from shardcheck.harness.rank.model_stand_in import ModelCpCollective
 
-        layout = mb.layout
-        index, real = [], []
-        for p in layout.pieces:
-            total = mb.scenario.samples[p.stream].total if p.stream < len(mb.samples) else 0
-            base = self.offsets[mb.samples[p.stream]] if p.stream < len(mb.samples) else 0
-            for pos in range(p.start, p.stop):
-                index.append(base + pos if pos < total else 0)
-                real.append(pos < total)
         device = self.table.device
-        index_t = torch.tensor(index, dtype=torch.int64, device=device)
-        real_t = torch.tensor(real, dtype=torch.bool, device=device).unsqueeze(1)
-        constant = shard.local_logits(mb.data, layout).reshape(layout.num_rows, -1).to(device)
+        padding = mb.padding.to(device)
         if self.poisoned:
-            constant = torch.full_like(constant, float("nan"))
-        logits = torch.where(real_t, self.table.index_select(0, index_t), constant).reshape(layout.shape)
+            padding = torch.full_like(padding, float("nan"))
+        rows = self.table.index_select(0, mb.table_rows.to(device))
+        logits = torch.where(mb.real.to(device), rows, padding).reshape(mb.layout.shape)
         if mb.scenario.cp > 1:  # the model's CP collective in backward (model_stand_in)
             logits = ModelCpCollective.apply(logits, self.cp_group)
         return logits
@@ -181,6 +198,12 @@ class Step:
     dp_rank: int
     global_batch: int
     notes: list[str]
+    offsets: list[int]  # row_offsets of the global batch: where each sample's rows start in the table
+
+    @functools.cached_property
+    def masked(self) -> torch.Tensor:
+        """Per table row, whether it is masked (masked_rows of the global batch), computed once."""
+        return masked_rows(self.data)
 
 
 @dataclasses.dataclass
@@ -211,19 +234,20 @@ def run_step(runner: Any, sc: Any, target: Any, frame: Any, pipeline: Any) -> di
     data = ScenarioData(sc, loss="step", objective=objective, token_floor=defined.token_floor)
     batches = sc.micro_batches(dp_rank % sc.dp)
     columns = (tp_rank * sc.vocab // sc.tp, (tp_rank + 1) * sc.vocab // sc.tp)
+    offsets = row_offsets(sc)
     micro: list[MicroBatch] = []
     for k, samples in enumerate(batches):
         mb_sc = sc.micro_batch(samples)
         mb_data = ScenarioData(mb_sc, loss="policy")
         layout, rollout, moved = layout_for(target, mb_data, tp_rank, cp_rank, runner.rank)
         frame.found += moved
-        micro.append(MicroBatch(k, samples, mb_sc, mb_data, layout, rollout, moved))
+        micro.append(micro_batch(k, samples, mb_sc, mb_data, layout, rollout, offsets))
     if len(micro) == 1 and sc.dp == 1:  # the step's one micro-batch is the scenario: its rows are the report's
         runner.layout = layout_payload(micro[0].layout)
     # the world holds dp_size / sc.dp copies of the scenario: each is part of the global batch the
     # framework is told of (the objective, a mean, is the same over copies)
     step = Step(runner, sc, target, frame, defined, data, micro, columns, dp_size, dp_rank,
-                len(sc.samples) * dp_size // sc.dp, [])
+                len(sc.samples) * dp_size // sc.dp, [], offsets)
 
     clean = _run(step, pipeline)
     layout = table_layout(sc, tp_rank, columns)
@@ -254,8 +278,7 @@ def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
     from shardcheck.targets.base import StepInputs
 
     runner, frame, target = step.runner, step.frame, step.target
-    masked = masked_rows(step.data) if "logits" in poison else None
-    module = LogitsTable(step.data, step.columns, runner.device or "cpu", masked)
+    module = LogitsTable(step.data, step.columns, runner.device or "cpu", step.masked if "logits" in poison else None)
     module.cp_group = groups.cp_group()
     with _current_device_on_cpu(step.notes), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
@@ -375,19 +398,18 @@ def _leak(step: Step, clean: Ran, poisoned: Ran) -> tuple[str, dict[str, Any]] |
             for k, tokens in enumerate(mb.layout.share):
                 mask = step.data.loss_mask(mb.samples[k])
                 for e, j in enumerate(tokens):
-                    if int(mask[j]) and not _same(got[k][e], want[k][e]):
+                    if int(mask[j]) and not same_bits(got[k][e], want[k][e]):
                         sample = mb.samples[k]
                         return (f"{name} of sample {sample} response token {j} (unmasked): {_pair(want[k][e], got[k][e])}",
                                 {"field": name, "sample": sample, "token": j})
     for mb, a, b in zip(step.micro, clean.losses, poisoned.losses):
-        if a is not None and (b is None or not _same(a, b)):
+        if a is not None and (b is None or not same_bits(a, b)):
             return (f"the loss of micro-batch {mb.index}: {_pair(a, b)}", {"field": "loss"})
-    unmasked = ~masked_rows(step.data)
-    differ = (clean.grad.view(torch.int32) != poisoned.grad.view(torch.int32)).any(dim=1) & unmasked
+    differ = (clean.grad.view(torch.int32) != poisoned.grad.view(torch.int32)).any(dim=1) & ~step.masked
     if bool(differ.any()):
         row = int(differ.nonzero()[0])
-        sample = next(i for i in range(len(step.scenario.samples)) if row < _offsets(step)[i + 1])
-        position = row - _offsets(step)[sample]
+        sample = bisect.bisect_right(step.offsets, row) - 1
+        position = row - step.offsets[sample]
         column = int((clean.grad[row].view(torch.int32) != poisoned.grad[row].view(torch.int32)).nonzero()[0])
         token = position - (step.scenario.samples[sample].prompt - 1)
         return (f"the step's gradient at sample {sample} response token {token} (row {position}, unmasked) column "
@@ -409,22 +431,6 @@ def _kept(out: Any) -> Any:
         return None
     return types.SimpleNamespace(log_probs=values(getattr(out, "log_probs", None)),
                                  entropy=values(getattr(out, "entropy", None)))
-
-
-def _offsets(step: Step) -> list[int]:
-    out = [0]
-    for s in step.scenario.samples:
-        out.append(out[-1] + s.total)
-    return out
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise the same (NaN against NaN of the same bits included)."""
-    a, b = a.detach().reshape(1), b.detach().reshape(1)
-    if a.dtype != b.dtype:
-        return False
-    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return bool(a.view(width) == b.view(width))
 
 
 def _pair(clean: torch.Tensor, poisoned: torch.Tensor) -> str:
