@@ -158,6 +158,14 @@ class StepInputs:
     ``samples``: the global indices of the micro-batch's samples; ``global_batch_size``: the
     samples of the whole step over every data-parallel replica (what slime calls
     ``step_global_batch_size``); ``dp_size``/``dp_rank``: megatron-core's data-parallel group.
+
+    What a framework's trainer computes over more than the micro-batch before its loss runs (a
+    count of valid tokens over the replica or the global batch, advantages normalised over the
+    mini-batch): ``replica_samples``, the global indices of every sample this replica's micro-
+    batches hold; ``loss_masks`` and ``advantages``, per sample of the scenario (index = global
+    index), the whole response, as :class:`PolicyBatch` holds them. The global batch is
+    ``global_batch_size // len(loss_masks)`` copies of those samples (a world with more
+    data-parallel ranks than the scenario's ``dp`` holds copies of it).
     """
 
     micro_batch: int
@@ -166,6 +174,14 @@ class StepInputs:
     dp_size: int
     dp_rank: int
     samples: tuple[int, ...]
+    replica_samples: tuple[int, ...] = ()
+    loss_masks: tuple[torch.Tensor, ...] = ()
+    advantages: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def copies(self) -> int:
+        """How many copies of the scenario's samples the global batch holds."""
+        return self.global_batch_size // max(1, len(self.loss_masks))
 
 
 @dataclass

@@ -119,6 +119,40 @@ class BuiltinLossTokenMean(BuiltinLoss):
     per_token = True
 
 
+class BuiltinLossGlobalCount(BuiltinLossTokenMean):
+    """shardcheck's own token-mean loss as a trainer outside megatron's per-token form computes it
+    (NeMo-RL's global_valid_toks): the terms over the global batch's masked-in count, counted from
+    the step inputs' loss masks, in megatron's two-value form"""
+
+    calculate_per_token_loss = False  # megatron-core's knob: the two-value form
+
+    @property
+    def definitions(self) -> Definitions:
+        return Definitions(objective="token_mean", objective_source="the global batch's masked-in count, from the step")
+
+    def reduce(self, inputs: RankInputs, terms: list[torch.Tensor], counts: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, None]:
+        step = inputs.step
+        zero = inputs.logits.new_zeros((), dtype=torch.float32)
+        # the schedule multiplies by cp and divides by num_microbatches, DDP averages over dp x cp:
+        # what is left to cancel is num_microbatches x dp
+        scale = step.num_microbatches * step.dp_size
+        return sum(terms, zero) * scale / self.global_count(inputs), None
+
+    def global_count(self, inputs: RankInputs) -> torch.Tensor:
+        step = inputs.step
+        return sum(m.sum() for m in step.loss_masks).clamp_min(1) * step.copies
+
+
+class LossCountPerReplica(BuiltinLossGlobalCount):
+    """planted: the two-value token mean counts its own replica's masked-in tokens, not the global
+    batch's (the count's all-reduce over the data-parallel group left out)"""
+
+    def global_count(self, inputs: RankInputs) -> torch.Tensor:
+        step = inputs.step
+        return sum(step.loss_masks[i].sum() for i in step.replica_samples).clamp_min(1)
+
+
 class LossCpMissing(BuiltinLossTokenMean):
     """planted: the per-token loss is not multiplied by the CP size, so megatron's count (CP times
     the global count) divides it once too often (the gradient x 1 / cp)"""
@@ -173,6 +207,8 @@ class LossMaskMultiplied(BuiltinLoss):
 LOSSES: dict[str, type[BuiltinLoss]] = {
     "loss": BuiltinLoss,
     "loss_token_mean": BuiltinLossTokenMean,
+    "loss_global_count": BuiltinLossGlobalCount,
+    "loss_count_per_replica": LossCountPerReplica,
     "loss_cp_missing": LossCpMissing,
     "loss_cp_twice": LossCpTwice,
     "loss_microbatches_missing": LossMicrobatchesMissing,

@@ -135,6 +135,19 @@ def test_the_builtins_loss_passes_the_training_suite(world, target):
     assert "objective" in described["definitions"]
 
 
+@pytest.mark.world
+def test_a_loss_that_counts_the_global_batch_from_the_step_inputs_passes(world):
+    """StepInputs' loss masks and replica samples are the global batch's: a token mean counted
+    from them (megatron's two-value form) is the declared objective, and one that counts only its
+    own replica is not."""
+    scenarios = _training("step-thd-dp2-mb3", "step-zigzag-dp2cp2-mb2", "step-allgather-cp2tp2-mb3", "step-thd-dp4")
+    result = _run(world, "builtin:loss_global_count", scenarios)
+    assert result.exit_code == 0, [v.headline() for v in result.verdicts if v.status != "pass"]
+    [v] = _run(world, "builtin:loss_count_per_replica", _training("step-thd-dp2-mb3")).verdicts
+    assert v.status == "fail" and v.kinds == ["grad_mismatch"], v.headline()
+    assert "off by no one factor" in v.failures[0].message
+
+
 # (mutant, scenario, what the step's gradient is said to be off by)
 PLANTED = [
     ("loss_cp_missing", "step-zigzag-cp4-mb2", "x 0.250 the reference's on every row (= 1 / cp)"),

@@ -201,6 +201,21 @@ class Step:
     offsets: list[int]  # row_offsets of the global batch: where each sample's rows start in the table
 
     @functools.cached_property
+    def replica_samples(self) -> tuple[int, ...]:
+        """The global indices of every sample of this replica's micro-batches, in order."""
+        return tuple(i for mb in self.micro for i in mb.samples)
+
+    @functools.cached_property
+    def loss_masks(self) -> tuple[torch.Tensor, ...]:
+        """Per sample of the scenario, its whole response's loss mask (the copies share them)."""
+        return tuple(self.data.loss_mask(i) for i in range(len(self.scenario.samples)))
+
+    @functools.cached_property
+    def advantages(self) -> tuple[torch.Tensor, ...]:
+        """Per sample of the scenario, its whole response's advantages."""
+        return tuple(self.data.advantages(i) for i in range(len(self.scenario.samples)))
+
+    @functools.cached_property
     def masked(self) -> torch.Tensor:
         """Per table row, whether it is masked (masked_rows of the global batch), computed once."""
         return masked_rows(self.data)
@@ -261,6 +276,14 @@ def run_step(runner: Any, sc: Any, target: Any, frame: Any, pipeline: Any) -> di
     return {"schedule": SCHEDULE, "gradient_reduction": REDUCTION, "cpu_world": step.notes}
 
 
+def per_token_loss(target: Any, defined: Any) -> bool:
+    """megatron-core's ``calculate_per_token_loss`` as the framework sets it: the target's own
+    ``calculate_per_token_loss`` where it has one, else whether its objective is the token mean
+    (the three-value form whose count megatron divides by)."""
+    knob = getattr(target, "calculate_per_token_loss", None)
+    return defined.objective == "token_mean" if knob is None else bool(knob)
+
+
 def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
     """One run of the step through megatron-core's schedule and DDP. With ``pipeline`` each
     micro-batch lives its checks; ``poison`` names the inputs that hold NaN at every masked
@@ -272,7 +295,7 @@ def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
         from megatron.core.transformer import TransformerConfig
 
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                                   calculate_per_token_loss=step.defined.objective == "token_mean")
+                                   calculate_per_token_loss=per_token_loss(step.target, step.defined))
     from shardcheck.harness.rank import groups
     from shardcheck.harness.rank.pipeline import Life
     from shardcheck.targets.base import StepInputs
@@ -293,12 +316,16 @@ def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
 
     config.finalize_model_grads_func = finalize
     model.zero_grad_buffer()
+    batch_advantages = step.advantages
+    if "advantages" in poison:  # the whole batch's, as a trainer normalising them would read them
+        batch_advantages = tuple(a.masked_fill(m == 0, float("nan")) for a, m in zip(batch_advantages, step.loss_masks))
     outputs: list[Any] = [None] * len(step.micro)
     losses: list[Any] = [None] * len(step.micro)
 
     def loss_func(mb: MicroBatch, logits: torch.Tensor) -> tuple:
         inputs = runner.rank_inputs(mb.scenario, mb.data, mb.layout, logits, "policy", mb.rollout)
-        inputs.step = StepInputs(mb.index, len(step.micro), step.global_batch, step.dp_size, step.dp_rank, mb.samples)
+        inputs.step = StepInputs(mb.index, len(step.micro), step.global_batch, step.dp_size, step.dp_rank, mb.samples,
+                                 step.replica_samples, step.loss_masks, batch_advantages)
         if poison:
             _poison_policy(inputs.policy, mb, poison)
             out = target.compute(inputs)
