@@ -96,6 +96,8 @@ OPTIONS = {
                             "the harness then reports that write as input_mutated at the adapter's line",
     "layout": "framework (NeMo-RL's _pack_sequences_for_megatron lays out thd and zigzag rows, the default where "
               "the checkout has it) or shardcheck (the harness's rows, each sequence padded to 2*cp)",
+    "token_level_loss": "nemo_rl:loss only: NeMo-RL's loss_fn.token_level_loss (default true: the global batch's "
+                        "token mean; false: each sample's token mean, averaged over the samples)",
 }
 
 
@@ -217,6 +219,9 @@ def sampling_shape_reason(scenario: Scenario, framework_rows: bool = False) -> s
 
 
 VARIANTS = {
+    "loss": "NeMo-RL's ClippedPGLossFn in a training step (megatron-core's schedule and DDP around it), with its "
+            "DTensor worker's own lines between the loss and backward (loss / num_microbatches; from #266 the "
+            "global valid-token count and loss *= dp_size); option token_level_loss; bshd, tp 1, cp 1",
     "per_sequence": "NeMo-RL's default packed training path for thd/zigzag: SequencePackingLossWrapper -> "
                     "prepare_loss_input -> get_next_token_logprobs_from_logits -> from_parallel_logits_to_logprobs "
                     "on each sample's logits slice (where the checkout has them, else that last call per sample), "
@@ -609,8 +614,21 @@ def _cuda_devices() -> int:
         return 0
 
 
+def _build(variant: str | None, config: TargetConfig) -> Any:
+    if variant == "loss":
+        from shardcheck.targets.nemo_rl_loss import OPTION, NemoRLLossTarget
+
+        other = sorted(k for k, _ in config.options if k != OPTION)
+        if other:
+            raise BadInput(f"target 'nemo_rl:loss' takes no option {other[0]!r} (its option: {OPTION})")
+        return NemoRLLossTarget(FRAMEWORK, config.src, config)
+    if config.get("token_level_loss") is not None:
+        raise BadInput("option token_level_loss is nemo_rl:loss's (the training step's loss)")
+    return NemoRLTarget(variant, config.src, config)
+
+
 target = CheckoutFactory(
-    FRAMEWORK, lambda variant, config: NemoRLTarget(variant, config.src, config),
+    FRAMEWORK, _build,
     doc=("NVIDIA-NeMo/RL's from_parallel_logits_to_logprobs(_packed_sequences) and ChunkedDistributedEntropy from a "
          "source checkout (--nemo-rl-src, --target-src or SHARDCHECK_NEMO_RL_SRC)"),
     options=OPTIONS, variants=VARIANTS)

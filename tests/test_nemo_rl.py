@@ -487,3 +487,85 @@ def test_the_inflated_last_sequence_fixed_at_4d756fe39(tmp_path):
     default, verdicts, _ = _run(tmp_path, "nemo_rl", "--nemo-rl-src", str(tmp_path / "parent"),
                                 "--scenario-file", str(scenarios))
     assert default.returncode == 0 and verdicts["packed-last-inflated"]["verdict"] == "pass"
+
+
+# ----------------------------------------------------------------------------------------------
+# nemo_rl:loss: ClippedPGLossFn in the training step, with the DTensor worker's lines around it
+
+WORKER = """
+    class DTensorPolicyWorker:
+        def train(self, data, loss_fn, eval_mode=False):
+            for mb in data:
+                loss, loss_metrics = loss_fn(logits, mb)
+                loss = loss / num_microbatches
+                if not eval_mode:
+                    loss *= self.dp_size
+                    loss.backward()
+                loss = 0
+    """
+
+
+def test_the_workers_lines_between_its_loss_and_backward_are_read_from_its_file(tmp_path):
+    from shardcheck.targets.nemo_rl_loss import worker_loss_lines
+
+    path = tmp_path / "worker.py"
+    path.write_text(textwrap.dedent(WORKER))
+    assert [ast_line for ast_line in map(__import__("ast").unparse, worker_loss_lines(path))] == [
+        "loss = loss / num_microbatches", "loss *= self.dp_size"]
+
+
+def test_nemo_rl_loss_refuses_a_commit_without_the_dtensor_workers_loss_and_options_not_its_own(tmp_path):
+    src = _fake_checkout(tmp_path / "new", NEW, {"nemo_rl/algorithms/loss/loss_functions.py": """
+        class ClippedPGLossFn:
+            def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
+                pass
+        """})
+    made = run_cli("run", "--target", "nemo_rl:loss", "--target-src", str(src), "--suite", "training")
+    assert made.returncode == 2 and made.stderr.count("\n") == 1, made.stderr
+    assert "DTensor-worker era" in made.stderr and "LossPostProcessor is not run yet" in made.stderr, made.stderr
+    for spec, opt, said in (("nemo_rl:loss", "cp_on_cpu=true", "takes no option 'cp_on_cpu'"),
+                            ("nemo_rl", "token_level_loss=false", "token_level_loss is nemo_rl:loss's")):
+        made = run_cli("run", "--target", spec, "--target-src", str(src), "--target-opt", opt, "--suite", "training")
+        assert made.returncode == 2 and said in made.stderr and made.stderr.count("\n") == 1, made.stderr
+
+
+N1_FIX, N1_PARENT = "af9f6e86", "bb75f66a"  # #266 "fix accumulation of loss across microbatches"
+N1_SCENARIO = [{"name": "n1-dp2-mb2", "samples": [[23, 9], [14, 6], [9, 1], [17, 11], [30, 4], [12, 7], [20, 10],
+                                                  [11, 3]],
+                "vocab": 48, "dp": 2, "micro_batch_size": 2, "layout": "bshd", "with_entropy": False, "seed": 601}]
+
+
+@needs_history
+@pytest.mark.world
+def test_the_micro_batch_token_mean_fixed_at_266(tmp_path):
+    """Before #266 NeMo-RL's ClippedPGLossFn took each micro-batch's token mean and its worker
+    divided by the micro-batch count: the step's gradient was a mean of micro-batch means, a
+    factor per sample against the global token mean. #266 normalises by the global batch's valid
+    tokens (or samples, token_level_loss=false) and multiplies by dp: both pass. Its masked_mean
+    multiplies by the mask, so NaN at a masked position reaches the loss (latent: NeMo-RL's
+    rollouts hold finite values there)."""
+    scenarios = tmp_path / "n1.json"
+    scenarios.write_text(json.dumps(N1_SCENARIO))
+    repo = os.environ[REPO_ENV]
+    parent = export_commit(repo, N1_PARENT, tmp_path / "parent", "nemo_rl")
+    fix = export_commit(repo, N1_FIX, tmp_path / "fix", "nemo_rl")
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:loss", "--nemo-rl-src", parent, "--scenario-file", str(scenarios),
+                               "--no-mask-leak")
+    [v] = verdicts.values()
+    assert proc.returncode == 1 and v["kinds"] == ["grad_mismatch"], proc.stdout[-2000:]
+    assert "is off by no one factor: sample 0 x 0.846" in v["failures"][0]["message"], v["failures"][0]
+    for extra in ((), ("--target-opt", "token_level_loss=false")):
+        proc, verdicts, doc = _run(tmp_path, "nemo_rl:loss", "--nemo-rl-src", fix, "--scenario-file",
+                                   str(scenarios), "--no-mask-leak", *extra)
+        assert proc.returncode == 0, proc.stdout[-2000:]
+    assert doc["target"]["worker_lines"].endswith("train: loss *= self.dp_size"), doc["target"]
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:loss", "--nemo-rl-src", fix, "--scenario-file", str(scenarios),
+                               "--coverage")
+    [v] = verdicts.values()
+    assert proc.returncode == 1 and v["kinds"] == ["mask_leak"], proc.stdout[-2000:]
+    ran = {name for f in doc["coverage"]["files"].values() for name in f["functions"]}
+    for name in ("nemo_rl/algorithms/loss_functions.py:ClippedPGLossFn.__call__",
+                 "nemo_rl/algorithms/utils.py:masked_mean",
+                 "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
+                 "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads"):
+        assert name in ran, sorted(ran)
