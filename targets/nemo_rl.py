@@ -616,12 +616,12 @@ def _cuda_devices() -> int:
 
 def _build(variant: str | None, config: TargetConfig) -> Any:
     if variant == "loss":
-        from shardcheck.targets.nemo_rl_loss import OPTION, NemoRLLossTarget
+        from shardcheck.targets.nemo_rl_loss import OPTION, build
 
         other = sorted(k for k, _ in config.options if k != OPTION)
         if other:
             raise BadInput(f"target 'nemo_rl:loss' takes no option {other[0]!r} (its option: {OPTION})")
-        return NemoRLLossTarget(FRAMEWORK, config.src, config)
+        return build(FRAMEWORK, config.src, config)
     if config.get("token_level_loss") is not None:
         raise BadInput("option token_level_loss is nemo_rl:loss's (the training step's loss)")
     return NemoRLTarget(variant, config.src, config)

@@ -1,6 +1,19 @@
 """NVIDIA-NeMo/RL's policy loss in the training step: ``--target nemo_rl:loss``.
 
-What runs, from the checkout, on the commits whose ``ClippedPGLossFn`` takes the logits
+Two eras, each NeMo-RL's own training step around its ``ClippedPGLossFn``.
+
+Its Megatron path (``nemo_rl/models/megatron/train.py``, the pin among them): the loss takes the
+log-probs, and ``LossPostProcessor`` wraps it as NeMo-RL's megatron worker builds it: the
+preparation (``prepare_loss_input``, ``wrap_loss_fn_with_input_preparation``), its ``/ cp_size``
+and its ``x num_microbatches / cp_size`` against megatron's averaging, each compiled alone from
+its file; the loss configured with its config class's own defaults (read from the class body);
+megatron-core's ``calculate_per_token_loss=True`` with the two-value loss, as NeMo-RL's megatron
+setup has it. The normalisation factors (``global_valid_seqs``, ``global_valid_toks``) are the
+replica's valid samples and tokens all-reduced over the data-parallel group: the arithmetic of
+``models/megatron/data.py``, written here. bshd only (its packed wrapper is not run yet); cp 1
+(NeMo-RL's CP gather needs CUDA in backward).
+
+The DTensor worker era, on the commits whose ``ClippedPGLossFn`` takes the logits
 (NeMo-RL's DTensor worker era, before its Megatron path; ``nemo_rl/algorithms/loss_functions.py``):
 
 - ``ClippedPGLossFn`` itself, compiled alone from its file with NeMo-RL's own ``masked_mean`` and
@@ -31,6 +44,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -101,6 +115,29 @@ def _binds_loss(node: ast.Assign | ast.AugAssign) -> bool:
     return any(isinstance(t, ast.Name) and t.id == "loss" for t in targets)
 
 
+def valid_counts(inputs: RankInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid samples, valid tokens) of the replica's batch, all-reduced over the data-parallel
+    group, as NeMo-RL's workers count them before the micro-batches run."""
+    from megatron.core import parallel_state
+
+    step = inputs.step
+    toks = sum((step.loss_masks[i].sum() for i in step.replica_samples), torch.zeros((), dtype=torch.int64))
+    counts = torch.stack([torch.tensor(len(step.replica_samples), dtype=torch.int64), toks]).to(inputs.logits.device,
+                                                                                               torch.float32)
+    torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    return counts[0], counts[1]
+
+
+def build(framework: Any, src: str | None, config: TargetConfig) -> "NemoRLLossTarget":
+    """The era's target: the Megatron path where ClippedPGLossFn takes log-probs and a
+    LossPostProcessor wraps it, else the DTensor worker's."""
+    root = framework.source(src)
+    if (root / NEW_LOSS_FILE).is_file() and (root / TRAIN_FILE).is_file() and \
+            POST_PROCESSOR in (root / TRAIN_FILE).read_text():
+        return NemoRLMegatronLossTarget(framework, src, config)
+    return NemoRLLossTarget(framework, src, config)
+
+
 class NemoRLLossTarget(CheckoutTarget):
     """NVIDIA-NeMo/RL's ClippedPGLossFn in a training step, with its DTensor worker's lines around it"""
 
@@ -115,11 +152,11 @@ class NemoRLLossTarget(CheckoutTarget):
         loss_file, worker_file = self.src / LOSS_FILE, self.src / WORKER_FILE
         params = _call_parameters(ast.parse(loss_file.read_text())) if loss_file.is_file() else None
         if params is None or not params or params[0] != "next_token_logits" or not worker_file.is_file():
-            raise BadInput(f"nemo_rl:loss runs NeMo-RL's DTensor-worker era (ClippedPGLossFn taking the logits, in "
-                           f"{LOSS_FILE}, and {WORKER_FILE}); NeMo-RL at {self.short()} has "
+            raise BadInput(f"nemo_rl:loss runs NeMo-RL's Megatron path or its DTensor-worker era (ClippedPGLossFn "
+                           f"taking the logits, in {LOSS_FILE}, and {WORKER_FILE}); NeMo-RL at {self.short()} has "
                            + ("no such ClippedPGLossFn" if params is None or not params or params[0] !=
                               "next_token_logits" else f"no {WORKER_FILE}")
-                           + " (its Megatron path's LossPostProcessor is not run yet)")
+                           + f", nor a Megatron {POST_PROCESSOR} in {TRAIN_FILE}")
         try:
             self.worker_lines = worker_loss_lines(worker_file)
         except (LookupError, SyntaxError) as exc:
@@ -259,16 +296,8 @@ class NemoRLLossTarget(CheckoutTarget):
 
     def _normalization(self, inputs: RankInputs) -> torch.Tensor:
         """The worker's factor: the replica's valid tokens (or samples), all-reduced over dp."""
-        from megatron.core import parallel_state
-
-        step = inputs.step
-        if self.token_level:
-            local = sum((step.loss_masks[i].sum() for i in step.replica_samples), torch.zeros((), dtype=torch.int64))
-        else:
-            local = torch.tensor(len(step.replica_samples), dtype=torch.int64)
-        total = local.to(inputs.logits.device, torch.float32)
-        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        return total
+        seqs, toks = valid_counts(inputs)
+        return toks if self.token_level else seqs
 
     def _batch(self, inputs: RankInputs) -> dict[str, torch.Tensor]:
         """The micro-batch as NeMo-RL's worker hands its loss: [B, S] per-token fields, each
@@ -303,3 +332,160 @@ class _StaysOnCpu(torch.Tensor):
 
     def cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         return self.as_subclass(torch.Tensor)
+
+
+# -- NeMo-RL's Megatron path (ClippedPGLossFn taking log-probs, LossPostProcessor) -------------------
+
+NEW_LOSS_FILE = Path("nemo_rl/algorithms/loss/loss_functions.py")
+INTERFACES = Path("nemo_rl/algorithms/loss/interfaces.py")
+LOSS_UTILS = Path("nemo_rl/algorithms/loss/utils.py")
+WRAPPER = Path("nemo_rl/algorithms/loss/wrapper.py")
+TRAIN_FILE = Path("nemo_rl/models/megatron/train.py")
+POST_PROCESSOR = "LossPostProcessor"
+
+
+def config_defaults(path: Path, cls: str) -> dict[str, Any]:
+    """The field defaults a (pydantic) config class declares in its body, read from its file:
+    NeMo-RL's defaults, without importing pydantic."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    if node is None:
+        raise LookupError(f"{path}: no {cls}")
+    return {item.target.id: ast.literal_eval(item.value) for item in node.body
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None}
+
+
+class _Recorder:
+    """NeMo-RL's loss function, seen through: the log-probs its wrappers hand it are kept (the
+    values checked per micro-batch); everything else is the loss function's own."""
+
+    def __init__(self, loss_fn: Any) -> None:
+        self.loss_fn = loss_fn
+        self.seen: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loss_fn, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.seen = kwargs.get("next_token_logprobs")
+        return self.loss_fn(*args, **kwargs)
+
+
+class NemoRLMegatronLossTarget(NemoRLLossTarget):
+    """NVIDIA-NeMo/RL's ClippedPGLossFn in a training step, behind its Megatron LossPostProcessor"""
+
+    calculate_per_token_loss = True  # NeMo-RL's megatron setup sets it (models/megatron/setup.py)
+
+    def __init__(self, framework: Any, src: str | None, config: TargetConfig) -> None:
+        self.framework = framework
+        self.name = "nemo_rl:loss"
+        CheckoutTarget.__init__(self, src)
+        self.global_count = True
+        try:
+            self.token_level = config.flag(OPTION) if config.get(OPTION) is not None else True
+        except ValueError as exc:
+            raise BadInput(f"target 'nemo_rl:loss': {exc}") from None
+        try:
+            self.loss_config = config_defaults(self.src / NEW_LOSS_FILE, "ClippedPGLossConfig")
+        except (LookupError, ValueError, SyntaxError) as exc:
+            raise BadInput(f"nemo_rl:loss cannot read NeMo-RL's loss configuration at {self.short()}: {exc}") from None
+        self.loss_config[OPTION] = self.token_level
+        self.era = {"loss_takes": "log-probs", "post_processor": f"{TRAIN_FILE}:{POST_PROCESSOR}"}
+        self.framework_files = tuple(str(f) for f in (NEW_LOSS_FILE, UTILS_FILE, TRAIN_FILE, LOSS_UTILS,
+                                                      WRAPPER, Path("nemo_rl/distributed/model_utils.py")))
+        self.capabilities = Capabilities(
+            layouts=frozenset({"bshd"}), entropy=False, cp_sizes=frozenset({1}),
+            reasons=(("layout", "nemo_rl:loss hands LossPostProcessor padded [B, S] logits (bshd); its packed path "
+                                "(SequencePackingLossWrapper) is not run by this target yet"),
+                     ("entropy", "NeMo-RL's ClippedPGLossFn computes no entropy (it has no entropy bonus)"),
+                     ("cp", "NeMo-RL's CP gathers with AllGatherCPTensor, whose backward needs CUDA")))
+        self.cpu_notes = []
+        self._loss = None
+        self._post: Any = None
+
+    def description(self) -> dict[str, Any]:
+        shown = {k: self.loss_config.get(k) for k in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty",
+                                                       "reference_policy_kl_type", OPTION)}
+        return {"loss": f"{NEW_LOSS_FILE}:ClippedPGLossFn (its config's defaults: "
+                        + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")",
+                "post_processor": f"{TRAIN_FILE}:{POST_PROCESSOR} (prepare_loss_input, "
+                                  "wrap_loss_fn_with_input_preparation, its / cp_size and x num_microbatches / cp_size)",
+                OPTION: self.token_level,
+                "normalization": ("the replica's valid " + ("tokens" if self.token_level else "samples")
+                                  + ", all-reduced over the data-parallel group (models/megatron/data.py's arithmetic, "
+                                    "written by the adapter)"),
+                "megatron": "calculate_per_token_loss=True with the two-value loss, as NeMo-RL's megatron setup has it"}
+
+    def forget(self) -> None:
+        self._loss = None
+        self._post = None
+
+    def _loss_fn(self) -> Any:
+        if self._loss is None:
+            import enum
+
+            from shardcheck.targets.nemo_rl_data import NemoRLLossPath
+
+            model_utils = self.import_module("nemo_rl.distributed.model_utils")
+            sampling = sys.modules.get("nemo_rl.algorithms.logits_sampling_utils")
+            path = NemoRLLossPath(self.src, model_utils, sampling, fused=False)
+            # the one LossInputType the preparation and the loss share
+            interfaces = compile_alone(self.src / INTERFACES, ["LossType", "MetricNormalizer"], {"enum": enum})
+            utils = compile_alone(self.src / UTILS_FILE, ["masked_mean", "calculate_kl"], {"torch": torch})
+            given = {"torch": torch, "LossFunction": object, "masked_mean": utils["masked_mean"],
+                     "calculate_kl": utils["calculate_kl"], "LossInputType": path.LossInputType,
+                     **{k: interfaces[k] for k in ("LossType", "MetricNormalizer")}}
+            try:
+                ns = compile_alone(self.src / NEW_LOSS_FILE, [LOSS_CLASS], given)
+            except LookupError as exc:
+                raise BadInput(f"nemo_rl:loss cannot load NeMo-RL's {LOSS_CLASS} at {self.short()}: {exc}") from None
+            self._loss = _Recorder(ns[LOSS_CLASS](types.SimpleNamespace(**self.loss_config)))
+            self._post = self._post_processor(path.prepare)
+        return self._loss
+
+    def _post_processor(self, prepare: Any) -> Any:
+        import functools
+        import math
+        from typing import Optional
+
+        from megatron.core import parallel_state
+
+        wrapper = compile_alone(self.src / WRAPPER, ["wrap_loss_fn_with_input_preparation"],
+                                {"torch": torch, "math": math, "Optional": Optional})
+        given = {"torch": torch, "partial": functools.partial, "prepare_loss_input": prepare,
+                 "wrap_loss_fn_with_input_preparation": wrapper["wrap_loss_fn_with_input_preparation"],
+                 **{n: getattr(parallel_state, n) for n in ("get_tensor_model_parallel_rank",
+                                                            "get_tensor_model_parallel_group",
+                                                            "get_context_parallel_group",
+                                                            "get_context_parallel_world_size")}}
+        try:
+            ns = compile_alone(self.src / TRAIN_FILE, [POST_PROCESSOR], given,
+                               off_path=("SequencePackingLossWrapper", "SequencePackingFusionLossWrapper",
+                                         "DraftLossWrapper", "prepare_packed_loss_input"))
+        except LookupError as exc:
+            raise BadInput(f"nemo_rl:loss cannot load NeMo-RL's {POST_PROCESSOR} at {self.short()}: {exc}") from None
+        return ns[POST_PROCESSOR]
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        step, policy = inputs.step, inputs.policy
+        if step is None or policy is None:
+            raise ValueError("nemo_rl:loss is a training step's loss: it needs the policy batch and the step inputs")
+        recorder = self._loss_fn()
+        data = self._batch(inputs)
+        data["input_ids"] = data["input_ids"].as_subclass(torch.Tensor)
+        chunk = inputs.chunk_size if getattr(inputs, "chunk_size", 0) and inputs.chunk_size > 0 else None
+        cfg = {"sequence_packing": {"enabled": False}, "logprob_chunk_size": chunk}
+        counts = valid_counts(inputs)
+        post = self._post(loss_fn=recorder, cfg=cfg, num_microbatches=step.num_microbatches)
+        wrapped = post(data, packed_seq_params=None, global_valid_seqs=counts[0], global_valid_toks=counts[1])
+        logits = inputs.logits / inputs.temperature if inputs.temperature != 1.0 else inputs.logits
+        recorder.seen = None
+        loss, metrics = wrapped(logits)
+        if recorder.seen is None:
+            raise ValueError(f"NeMo-RL's {POST_PROCESSOR} at {self.short()} handed its loss no next_token_logprobs")
+        curr = recorder.seen
+        log_probs = [curr[i, inputs.total_lengths[i] - inputs.response_lengths[i] - 1
+                          + torch.arange(inputs.response_lengths[i], device=curr.device)]
+                     for i in range(len(inputs.total_lengths))]
+        return RankOutputs(log_probs, None, loss=loss, num_tokens=None,
+                           reported={"loss": torch.as_tensor(metrics.get("loss", float("nan")))})

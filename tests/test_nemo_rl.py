@@ -514,7 +514,7 @@ def test_the_workers_lines_between_its_loss_and_backward_are_read_from_its_file(
         "loss = loss / num_microbatches", "loss *= self.dp_size"]
 
 
-def test_nemo_rl_loss_refuses_a_commit_without_the_dtensor_workers_loss_and_options_not_its_own(tmp_path):
+def test_nemo_rl_loss_refuses_a_commit_with_neither_of_its_training_steps_and_options_not_its_own(tmp_path):
     src = _fake_checkout(tmp_path / "new", NEW, {"nemo_rl/algorithms/loss/loss_functions.py": """
         class ClippedPGLossFn:
             def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
@@ -522,7 +522,7 @@ def test_nemo_rl_loss_refuses_a_commit_without_the_dtensor_workers_loss_and_opti
         """})
     made = run_cli("run", "--target", "nemo_rl:loss", "--target-src", str(src), "--suite", "training")
     assert made.returncode == 2 and made.stderr.count("\n") == 1, made.stderr
-    assert "DTensor-worker era" in made.stderr and "LossPostProcessor is not run yet" in made.stderr, made.stderr
+    assert "DTensor-worker era" in made.stderr and "nor a Megatron LossPostProcessor" in made.stderr, made.stderr
     for spec, opt, said in (("nemo_rl:loss", "cp_on_cpu=true", "takes no option 'cp_on_cpu'"),
                             ("nemo_rl", "token_level_loss=false", "token_level_loss is nemo_rl:loss's")):
         made = run_cli("run", "--target", spec, "--target-src", str(src), "--target-opt", opt, "--suite", "training")
@@ -569,3 +569,27 @@ def test_the_micro_batch_token_mean_fixed_at_266(tmp_path):
                  "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
                  "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads"):
         assert name in ran, sorted(ran)
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_nemo_rl_loss_runs_the_megatron_post_processor_at_the_pin_and_coverage_names_it(tmp_path):
+    """At the pin the loss takes log-probs and NeMo-RL's LossPostProcessor wraps it: the step's
+    gradient is the declared objective's in both token_level_loss modes (dp 2 x tp 2, three
+    micro-batches), and --coverage names the post-processor, the loss, the schedule and DDP."""
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:loss", "--suite", "training", "--scenario", "step-bshd-dp2tp2-mb3",
+                               "--no-mask-leak", "--target-opt", "token_level_loss=false")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert doc["target"]["post_processor"].startswith("nemo_rl/models/megatron/train.py:LossPostProcessor")
+    # the token mean (the default), its gradient right: the one finding is the mask leak
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:loss", "--suite", "training", "--scenario", "step-bshd-dp2tp2-mb3",
+                               "--coverage")
+    ran = {name for f in doc["coverage"]["files"].values() for name in f["functions"]}
+    for name in ("nemo_rl/models/megatron/train.py:LossPostProcessor.__call__",
+                 "nemo_rl/algorithms/loss/loss_functions.py:ClippedPGLossFn.__call__",
+                 "nemo_rl/algorithms/loss/utils.py:prepare_loss_input",
+                 "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
+                 "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads"):
+        assert name in ran, sorted(ran)
+    [v] = verdicts.values()
+    assert v["kinds"] == ["mask_leak"], v  # masked_mean multiplies by the mask (latent: docs/nemo-rl.md)
