@@ -90,6 +90,11 @@ FRAMEWORK = Framework("skyrl", "SkyRL", str(MODEL_UTILS), ("skyrl",), package_in
 ENV = FRAMEWORK.env
 
 OPTIONS = {
+    "loss_reduction": "skyrl:loss only: SkyRL's trainer.algorithm.loss_reduction (default token_mean: the global "
+                      "batch's token mean; sequence_mean: each sample's token mean, averaged; token_mean_legacy, "
+                      "seq_mean_token_sum_norm and prompt_mean, no objective the step checks, are refused)",
+    "use_kl_loss": "skyrl:loss only: SkyRL's use_kl_loss (default SkyRL's, true): the KL term against reference "
+                   "log-probs equal to the old log-probs (0 in value and gradient)",
     "temperature_in_place": "true: divide the given logits in place (logits.div_(T)) as SkyRL's loss_func does, "
                             "instead of out of place; the harness then reports that write as input_mutated",
 }
@@ -233,15 +238,12 @@ class SkyRLTarget(CheckoutTarget):
         import torch
 
         mod = self._module()
-        if inputs.rollout is None:  # every layout SkyRL runs is laid out by its data path
-            raise ValueError(f"skyrl: no rollout for a {inputs.layout} scenario; SkyRL's data path lays out its rows")
-        batch = self.data_path.batch(inputs.rollout.to(inputs.logits.device))
+        batch, params, packed = self._laid_out(inputs)
         num_actions = batch["response_mask"].shape[1]
         v_local = inputs.logits.shape[-1]
         common = {"vocab_start_index": inputs.tp_rank * v_local, "vocab_end_index": (inputs.tp_rank + 1) * v_local,
                   "inference_only": False, "chunk_size": inputs.chunk_size if inputs.chunk_size > 0 else None}
-        packed = inputs.layout != "bshd" and self.era["thd_path"] == "packed"
-        params = self.data_path.pack(batch, inputs.rollout.knobs)[1] if inputs.layout != "bshd" else None
+        weight = None
         if self.fused:
             logits, token_logprobs, weight = self._fused(mod, inputs, batch, params, common)
         elif packed:
@@ -252,8 +254,7 @@ class SkyRLTarget(CheckoutTarget):
                 attention_mask=batch["attention_mask"], **common)
         else:
             # bshd, or (before 861e005b4) the packed output back in the batch's layout
-            logits = inputs.logits if params is None else self.data_path.unpack(inputs.logits, params, batch)
-            logits = self._scaled(logits, inputs.temperature)
+            logits = self._scaled(self._loss_logits(inputs, batch, params), inputs.temperature)
             token_logprobs = getattr(mod, LOGPROBS)(logits, batch["sequences"], tp_group=inputs.tp_group,
                                                     cp_group=None, **common)
         held = inputs.held_rows()
@@ -262,19 +263,46 @@ class SkyRLTarget(CheckoutTarget):
             return RankOutputs(log_probs, None)
         # use_entropy_loss: SkyRL computes the entropy with a gradient only when it is in the loss
         with torch.set_grad_enabled(inputs.entropy_coef != 0 and not self.fused and torch.is_grad_enabled()):
-            rows = logits if packed else logits[:, -num_actions - 1:-1, :]
-            if self.fused:
-                values = getattr(mod, FUSED_ENTROPY)(rows, weight, inputs.tp_group, chunk_size=common["chunk_size"],
-                                                     temperature=inputs.temperature)
-            elif self.era["entropy_chunk_size"]:
-                # the scenario's chunk where it sets one, else SkyRL's vocab_entropy_chunk_size default (0: auto)
-                values = getattr(mod, ENTROPY)(rows, chunk_size=max(inputs.chunk_size, 0))
-            else:
-                values = getattr(mod, ENTROPY)(rows)
+            entropy = self._entropy_values(mod, inputs, logits, batch, packed, weight)
+        return RankOutputs(log_probs, entropy)
+
+    def _laid_out(self, inputs: RankInputs) -> tuple[dict[str, Any], Any, bool]:
+        """SkyRL's batch for the rank's rollout, its packing (None for bshd) and whether the log-probs
+        are taken on the packed rows (861e005b4 on)."""
+        if inputs.rollout is None:  # every layout SkyRL runs is laid out by its data path
+            raise ValueError(f"{self.name}: no rollout for a {inputs.layout} scenario; SkyRL's data path lays out "
+                             "its rows")
+        batch = self.data_path.batch(inputs.rollout.to(inputs.logits.device))
+        packed = inputs.layout != "bshd" and self.era["thd_path"] == "packed"
+        params = self.data_path.pack(batch, inputs.rollout.knobs)[1] if inputs.layout != "bshd" else None
+        return batch, params, packed
+
+    def _loss_logits(self, inputs: RankInputs, batch: dict[str, Any], params: Any) -> Any:
+        """What SkyRL's forward step hands its loss off the packed era's path: the logits as they are
+        (bshd: the batch's own layout), or before 861e005b4 the packed output back in the batch's
+        layout (postprocess_packed_seqs)."""
+        return inputs.logits if params is None else self.data_path.unpack(inputs.logits, params, batch)
+
+    def _entropy_values(self, mod: Any, inputs: RankInputs, logits: Any, batch: dict[str, Any], packed: bool,
+                        weight: Any = None) -> list[Any]:
+        """Per sample, the entropy of the held response tokens: the kernel on the packed rows, or on
+        the ``[:, -num_actions - 1:-1]`` columns of the batch's layout."""
+        num_actions = batch["response_mask"].shape[1]
+        held = inputs.held_rows()
+        rows = logits if packed else logits[:, -num_actions - 1:-1, :]
+        if self.fused:
+            values = getattr(mod, FUSED_ENTROPY)(rows, weight, inputs.tp_group,
+                                                 chunk_size=inputs.chunk_size if inputs.chunk_size > 0 else None,
+                                                 temperature=inputs.temperature)
+        elif self.era["entropy_chunk_size"]:
+            # the scenario's chunk where it sets one, else SkyRL's vocab_entropy_chunk_size default (0: auto)
+            values = getattr(mod, ENTROPY)(rows, chunk_size=max(inputs.chunk_size, 0))
+        else:
+            values = getattr(mod, ENTROPY)(rows)
         if packed:  # per packed row: the rows this rank's logits hold
             flat = values.reshape(-1)
-            return RankOutputs(log_probs, [flat[r] for r, _ in held])
-        return RankOutputs(log_probs, self._per_sample(values, batch["response_mask"], held))
+            return [flat[r] for r, _ in held]
+        return self._per_sample(values, batch["response_mask"], held)
 
     def _fused(self, mod: Any, inputs: RankInputs, batch: dict[str, Any], params: Any,
                common: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -308,6 +336,10 @@ class SkyRLTarget(CheckoutTarget):
 
 
 VARIANTS = {
+    "loss": "SkyRL's Megatron policy loss in a training step (loss_form step): the wrapper's own loss_func "
+            "(ppo_policy_loss, reduce_loss, entropy and KL terms, its rescale for megatron's schedule) and, from "
+            "#1296, the trainer's apply_loss_reduction_to_advantages_minibatch over the step's global batch; option "
+            "loss_reduction (SkyRL's default token_mean), use_kl_loss",
     "fused_lm_head": "fused_lm_head_logprob=True: from_parallel_hidden_to_logprobs(_packed_sequences) "
                      "(FusedLinearChunkedDistributedLogprob, torch backend) with the given logits as the hidden "
                      "states and an identity LM head, the entropy _fused_vocab_parallel_entropy_from_hidden (no "
@@ -315,8 +347,23 @@ VARIANTS = {
 }
 
 
+LOSS_OPTIONS = ("loss_reduction", "use_kl_loss")
+
+
+def _build(variant: str | None, config: TargetConfig) -> SkyRLTarget:
+    if variant == "loss":
+        from shardcheck.targets.skyrl_loss import SkyRLLossTarget
+
+        _refuse_old_tree(config.src)
+        return SkyRLLossTarget(config)
+    given = [k for k in LOSS_OPTIONS if config.get(k) is not None]
+    if given:
+        raise BadInput(f"option {given[0]} is skyrl:loss's (the training step's loss)")
+    return SkyRLTarget(variant, config)
+
+
 target = CheckoutFactory(
-    FRAMEWORK, lambda variant, config: SkyRLTarget(variant, config),
+    FRAMEWORK, _build,
     doc=("NovaSky-AI/SkyRL's Megatron log-probs and entropy (model_utils.py), as its policy loss calls them, on its "
          "own batch and packing (--skyrl-src, --target-src or SHARDCHECK_SKYRL_SRC)"),
     options=OPTIONS, variants=VARIANTS)

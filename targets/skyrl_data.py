@@ -135,8 +135,8 @@ class SkyRLDataPath:
 
     def batch(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """SkyRL's training batch for the rollout: ``sequences`` [B, S], ``attention_mask`` [B, S]
-        (bool, as the forward step casts it) and ``response_mask`` [B, num_actions], on the
-        rollout's device (the forward step moves the batch there)."""
+        (bool, as the forward step casts it), ``response_mask`` and ``loss_mask`` [B, num_actions],
+        on the rollout's device (the forward step moves the batch there)."""
         prompts = [t[: total - response].tolist()
                    for t, total, response in zip(rollout.tokens, rollout.total_lengths, rollout.response_lengths)]
         responses = [t[total - response:].tolist()
@@ -147,8 +147,10 @@ class SkyRLDataPath:
                                        [m.tolist() for m in rollout.loss_masks])
         device = rollout.tokens[0].device
         sequences, attention_mask, response_mask = out[0], out[1], out[2]
+        # the response-level loss mask [B, num_actions] (float32, in the response mask's columns): what
+        # SkyRL's loss_func reads as its batch's loss_mask
         return {"sequences": sequences.to(device), "attention_mask": attention_mask.to(device=device, dtype=torch.bool),
-                "response_mask": response_mask.to(device)}
+                "response_mask": response_mask.to(device), "loss_mask": out[4].to(device)}
 
     def pack(self, batch: dict[str, torch.Tensor], knobs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
         """``preprocess_packed_seqs`` on the batch: this rank's packed ``input_ids`` [1, T/cp] and

@@ -1,8 +1,12 @@
 """The skyrl target. Checking real SkyRL needs a checkout (never pip install skyrl: it pulls ray,
 vLLM and its whole training stack): set SHARDCHECK_SKYRL_SRC to a clone of NovaSky-AI/SkyRL.
 Era detection, capabilities, the import's hygiene and bad input are checked on small fake
-checkouts without it; the two historical fixes need SHARDCHECK_SKYRL_REPO (a clone with its
-history)."""
+checkouts without it; the historical fixes need SHARDCHECK_SKYRL_REPO (a clone with its
+history).
+
+Over 20 s: with a checkout, each world test runs SkyRL's real code on a 4-rank gloo world, and
+skyrl:loss runs the training suite twice (token_mean, sequence_mean), a mask-leak step and three
+commits of SkyRL's history (about 30 s of the file's time together)."""
 
 import dataclasses
 import json
@@ -348,3 +352,208 @@ def test_a_sequence_shorter_than_the_cp_alignment_fixed_at_bcc85e241(world, tmp_
     _at(SHORT_FIX, tmp_path, monkeypatch)
     verdicts = _run(world, tmp_path, scenarios)
     assert {(v["verdict"], v["layout_built_by"]) for n, v in verdicts.items() if n} == {("pass", DATA_PATH)}
+
+
+# ---- skyrl:loss, SkyRL's policy loss in the training step (docs/training.md) -------------------
+
+PPO_TRAINER = """
+def reduce_loss(loss, loss_mask):
+    return (loss * loss_mask).sum()
+
+def ppo_policy_loss(log_probs, old_log_probs, advantages, config, loss_mask=None, rollout_logprobs=None):
+    pass
+
+def apply_loss_reduction_to_advantages_minibatch(advantages, loss_mask, loss_reduction, micro_batch_size, max_seq_len):
+    if loss_reduction == "token_mean":
+        pass
+    elif loss_reduction == "sequence_mean":
+        pass
+"""
+PPO_LOSS = """
+def reduce_loss(loss, loss_mask, loss_reduction, max_seq_len=None):
+    if loss_reduction == "token_mean":
+        pass
+    elif loss_reduction == "sequence_mean":
+        pass
+    elif loss_reduction == "seq_mean_token_sum_norm":
+        pass
+
+def ppo_policy_loss(log_probs, old_log_probs, advantages, config, loss_mask=None, rollout_logprobs=None):
+    pass
+"""
+WRAPPER_LOSS = """
+class MegatronModelWrapper:
+    def forward_backward_mini_batch(self, micro_batches):
+        def loss_func(logits, data):
+            grad_sum_correction_factor = 1
+"""
+
+
+def test_the_loss_era_and_its_reductions_are_read_from_the_checkout(tmp_path):
+    from shardcheck.targets.skyrl_loss import detect_loss_era
+
+    ppo = "skyrl/backends/skyrl_train/utils/ppo_utils.py"
+    wrapper = "skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py"
+    new = detect_loss_era(_fake_checkout(tmp_path / "new", **{ppo: PPO_TRAINER, wrapper: WRAPPER_LOSS}))
+    assert new == {"reduced_by": "trainer", "reductions": ["token_mean", "sequence_mean"], "rescale": True}
+    old = detect_loss_era(_fake_checkout(tmp_path / "old", **{
+        ppo: PPO_LOSS, wrapper: WRAPPER_LOSS.replace("grad_sum_correction_factor", "loss")}))
+    assert old == {"reduced_by": "reduce_loss", "rescale": False,
+                   "reductions": ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]}
+    with pytest.raises(BadInput, match="has no MegatronModelWrapper.forward_backward_mini_batch.loss_func"):
+        detect_loss_era(_fake_checkout(tmp_path / "bare", **{ppo: PPO_TRAINER}))
+
+
+def test_the_entropy_term_skips_where_skyrl_weighs_it_otherwise_than_the_objective():
+    """SkyRL's entropy term is each micro-batch's token mean, averaged over micro-batches: it is the
+    sample mean where every micro-batch holds one sample, and no objective where they differ."""
+    from shardcheck.targets.skyrl_loss import ENTROPY_WHY, entropy_reduction_differs
+
+    cells = {s.name: s for s in get_suite("training")}
+    one_each = cells["step-thd-dp2-mb3"]  # three micro-batches of one sample, entropy_coef 0.1
+    assert entropy_reduction_differs(one_each, "sample_mean") is None
+    why = entropy_reduction_differs(one_each, "token_mean")
+    assert why.startswith(ENTROPY_WHY) and "the declared token_mean's" in why
+    assert entropy_reduction_differs(cells["step-zigzag-cp4-mb2"], "sample_mean").startswith(ENTROPY_WHY)
+    assert entropy_reduction_differs(dataclasses.replace(one_each, entropy_coef=0.0), "token_mean") is None
+
+
+@needs_skyrl
+def test_the_loss_variant_declares_skyrls_reduction_and_refuses_what_means_no_objective():
+    loss = target("loss", TargetConfig(SKYRL_SRC))
+    assert loss.name == "skyrl:loss" and loss.loss_form == "step" and loss.calculate_per_token_loss is False
+    assert loss.definitions.objective == "token_mean" and "loss_reduction=token_mean" in \
+        loss.definitions.objective_source
+    seq = target("loss", TargetConfig(SKYRL_SRC, (("loss_reduction", "sequence_mean"),)))
+    assert seq.definitions.objective == "sample_mean"
+    for options, message in ((("loss_reduction", "token_mean_legacy"),), "no objective the step is checked against"),\
+                            ((("loss_reduction", "prompt_mean"),), "no objective the step is checked against"), \
+                            ((("loss_reduction", "seq_mean_token_sum_norm"),), "Dr. GRPO"), \
+                            ((("loss_reduction", "nope"),), "has no loss_reduction 'nope'"), \
+                            ((("use_kl_loss", "maybe"),), "expected true or false"):
+        with pytest.raises(BadInput, match=message) as info:
+            target("loss", TargetConfig(SKYRL_SRC, options))
+        assert "\n" not in str(info.value)
+    with pytest.raises(BadInput, match="is skyrl:loss's"):
+        target(None, TargetConfig(SKYRL_SRC, (("loss_reduction", "sequence_mean"),)))
+
+
+def _loss_run(world, tmp_path, scenarios, monkeypatch, options=(), **run) -> dict:
+    monkeypatch.setenv(OPTS_ENV, json.dumps([list(kv) for kv in options]))
+    run.setdefault("mask_leak", False)
+    report = tmp_path / f"loss-{len(list(tmp_path.iterdir()))}.json"
+    done = run_on_world(world, scenarios, "skyrl:loss", report, "skyrl", **run)
+    return {v["name"]: v for v in done.report["scenarios"]} | {"": done.report}
+
+
+def _no_entropy(name: str) -> Scenario:
+    found = next(s for s in get_suite("training") if s.name == name)
+    return dataclasses.replace(found, name=f"{name}-no-entropy", entropy_coef=0.0)
+
+
+@needs_skyrl
+@pytest.mark.world
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+def test_the_training_suite_at_the_pin(world, tmp_path, monkeypatch, reduction):
+    """Every cell SkyRL runs passes (the mask-leak check off: the next test), but bfloat16 under
+    sequence_mean: the entropy kernel's known half-precision finding (its values, 5-6 bfloat16 ulps).
+    All-gather CP is not SkyRL's; a cell whose entropy term SkyRL weighs otherwise than the
+    declared objective is skipped, saying so."""
+    from shardcheck.targets.skyrl_loss import ENTROPY_WHY
+
+    verdicts = _loss_run(world, tmp_path, get_suite("training"), monkeypatch, (("loss_reduction", reduction),))
+    report = verdicts.pop("")
+    assert f"loss_reduction={reduction}" in report["target"]["definitions"]["objective"]
+    got = {n: v["verdict"] for n, v in verdicts.items()}
+    skipped = {n for n, v in verdicts.items() if v["verdict"] == "skip"}
+    assert {n for n in skipped if verdicts[n]["reason"] == ALLGATHER_WHY} == {
+        "step-allgather-dp2cp2-tokens", "step-allgather-cp2tp2-mb3"}
+    assert all(verdicts[n]["reason"].startswith(ENTROPY_WHY) for n in skipped if "allgather" not in n)
+    passed = {"step-zigzag-dp2cp2-mb2", "step-bshd-dp2tp2-mb3"}  # no entropy in their loss
+    if reduction == "token_mean":  # two micro-batches of equal masked-in counts: their means are the token mean
+        passed |= {"step-zigzag-cp4-mb2"}
+    else:  # one sample a micro-batch: the entropy's micro-batch means are the samples' means
+        passed |= {"step-thd-dp2-mb3", "step-zigzag-tp2cp2-mb3", "step-thd-dp4"}
+        bf16 = verdicts["step-thd-dp2tp2-bf16"]
+        assert bf16["kinds"] == ["value_mismatch"] and all("entropy" in f["message"] for f in bf16["failures"])
+    assert {n for n, v in got.items() if v == "pass"} == passed, got
+
+
+@needs_skyrl
+@pytest.mark.world
+def test_skyrls_loss_lets_nan_at_masked_positions_in(world, tmp_path, monkeypatch):
+    """A finding at the pin (docs/skyrl.md): reduce_loss multiplies by the loss mask ((loss * loss_mask)
+    .sum()), so NaN at a masked token (its log-prob, advantage or old log-prob) makes the loss NaN:
+    the pattern SkyRL fixed in compute_approx_kl (#1635) after NaN there reached a real run's loss.
+    (With an entropy in the loss, vocab_parallel_entropy_weighted_sum's (entropy * weights).sum()
+    lets a NaN logit row in too; this cell has none.)"""
+    cell = next(s for s in get_suite("training") if s.name == "step-bshd-dp2tp2-mb3")
+    verdicts = _loss_run(world, tmp_path, [cell], monkeypatch, mask_leak=True)
+    leak = verdicts[cell.name]["failures"][0]
+    assert leak["kind"] == "mask_leak", verdicts[cell.name]["failures"]
+    assert ("NaN at the masked positions of the logits and advantages and old_log_probs reached the loss of "
+            "micro-batch 0") in leak["message"], leak["message"]
+
+
+@needs_skyrl
+@pytest.mark.world
+def test_coverage_of_skyrls_loss_names_the_loss_func_the_schedule_and_ddp(world, tmp_path, monkeypatch):
+    verdicts = _loss_run(world, tmp_path, [_no_entropy("step-zigzag-dp2cp2-mb2")], monkeypatch, coverage=True)
+    files = verdicts[""]["coverage"]["files"]
+    ran = {name for f in files.values() for name in f["functions"]}
+    for name in ("skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py:MegatronModelWrapper."
+                 "forward_backward_mini_batch.loss_func",
+                 "skyrl/backends/skyrl_train/utils/ppo_utils.py:ppo_policy_loss",
+                 "skyrl/backends/skyrl_train/utils/ppo_utils.py:reduce_loss",
+                 "skyrl/backends/skyrl_train/utils/ppo_utils.py:apply_loss_reduction_to_advantages_minibatch",
+                 "skyrl/backends/skyrl_train/distributed/megatron/model_utils.py:"
+                 "from_parallel_logits_to_logprobs_packed_sequences",
+                 "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
+                 "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads",
+                 "megatron-core/megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBucketGroup."
+                 "finish_grad_sync"):
+        assert name in ran, sorted(ran)
+
+
+LOSS_FIX = "bf243b8d6"  # "Implement loss reduction via advantage normalization and fix token_mean" (#1296)
+CP_SCALE = "8376455c8"  # "[megatron] Fix loss aggregation for context parallelism (CP)" (#1420)
+
+
+def _loss_at(commit: str, tmp_path, monkeypatch) -> None:
+    """Point the ranks at ``commit`` of the repository: the folders skyrl:loss reads."""
+    dest = tmp_path / commit.replace("~", "-parent-")
+    monkeypatch.setenv(ENV, export_commit(os.environ[REPO_ENV], commit, dest, "skyrl/backends",
+                                          "skyrl/train/dataset", "skyrl/train/config"))
+
+
+@needs_history
+@pytest.mark.world
+def test_the_token_mean_of_micro_batch_means_fixed_at_1296(world, tmp_path, monkeypatch):
+    """Before #1296 reduce_loss took token_mean within each micro-batch (masked_mean) and megatron's
+    schedule and DDP averaged the micro-batches: with micro-batches of unequal token counts (three of
+    one sample each on each of 2 replicas) the optimizer's gradient is off by a factor per sample.
+    #1296 scales the advantages by the mini-batch's token count (apply_loss_reduction_to_advantages_
+    minibatch) and multiplies the loss by num_microbatches x dp: the declared token mean."""
+    cell = [_no_entropy("step-thd-dp2-mb3")]
+    _loss_at(f"{LOSS_FIX}~1", tmp_path, monkeypatch)
+    failures = _loss_run(world, tmp_path, cell, monkeypatch)[cell[0].name]["failures"]
+    assert failures[0]["kind"] == "grad_mismatch", failures
+    assert "off by no one factor: sample 0 x 0.786, sample 1 x 1.100, sample 2 x 5.500" in failures[0]["message"]
+    _loss_at(LOSS_FIX, tmp_path, monkeypatch)
+    verdict = _loss_run(world, tmp_path, cell, monkeypatch)[cell[0].name]
+    assert verdict["verdict"] == "pass", verdict["failures"]
+
+
+@needs_history
+@pytest.mark.world
+def test_the_cp_factor_1420_added_to_the_policy_loss(world, tmp_path, monkeypatch):
+    """#1420 counted the CP ranks in the wrapper's grad_sum_correction_factor (dp with CP), but
+    megatron's schedule already multiplies a two-value loss by cp: the gradient is x cp. Its parent
+    (#1296) passes; the pin's wrapper counts dp without CP again (#1751, "fix CP loss scaling")."""
+    cell = [_no_entropy("step-zigzag-cp4-mb2")]
+    _loss_at(CP_SCALE, tmp_path, monkeypatch)
+    failures = _loss_run(world, tmp_path, cell, monkeypatch)[cell[0].name]["failures"]
+    assert failures[0]["kind"] == "grad_mismatch", failures
+    assert "is x 4.000 the reference's on every row (= cp)" in failures[0]["message"], failures[0]["message"]
+    _loss_at(f"{CP_SCALE}~1", tmp_path, monkeypatch)
+    assert _loss_run(world, tmp_path, cell, monkeypatch)[cell[0].name]["verdict"] == "pass"
