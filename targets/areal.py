@@ -16,6 +16,9 @@ What is checked:
 - ``areal:engine``: ``MegatronEngine.train_batch``'s path, compiled from its file:
   ``forward_backward_batch`` -> ``forward_step`` -> ``_compute_logprobs_and_loss`` on AReaL's packed
   micro-batch; the log-probs and entropy checked are those AReaL's loss receives.
+- ``areal:loss``: the PPO actor's loss in the training step (``loss_form = "step"``): ``train_batch``
+  itself, as ``PPOActor._ppo_update`` calls it, through to ``grpo_loss_fn`` ->
+  ``ppo_actor_loss_fn`` and the loss weight it scales by (:mod:`shardcheck.targets.areal_loss`).
 - ``areal:forward``: ``forward_batch``'s path (``compute_logp``: the reference and teacher
   models, the proximal log-probs): ``forward_backward_batch`` -> ``_compute_forward_result`` ->
   ``reorder_and_pad_outputs``; log-probs only. AReaL runs it under ``no_grad``; its gradient is
@@ -72,6 +75,11 @@ VARIANTS = {
               "(labels rolled over the padded buffer and split under CP) -> _compute_logprobs_and_loss "
               "(gather_logprobs_entropy; under CP reassemble_cp_packed_logprobs + unpad_logits); what AReaL's "
               "loss receives is checked; thd and zigzag on AReaL's packing",
+    "loss": "AReaL's PPO actor loss in the training step (megatron-core's schedule and DDP around it): "
+            "MegatronEngine.train_batch compiled from its file, called as PPOActor._ppo_update calls it "
+            "(loss_fn=functools.partial(grpo_loss_fn, ...), loss_weight_fn counting the loss mask), its "
+            "total_loss_weight all-reduced over DP x CP and its loss_multiplier; grpo_loss_fn -> ppo_actor_loss_fn; "
+            "the global batch's token mean declared; thd and zigzag on AReaL's packing",
     "forward": "MegatronEngine.forward_batch's path (compute_logp: reference, teacher and proximal log-probs): "
                "forward_backward_batch -> _compute_forward_result (gather_logprobs) -> reorder_and_pad_outputs; "
                "log-probs only; thd and zigzag on AReaL's packing",
@@ -80,11 +88,16 @@ VARIANTS = {
 OPTIONS = {
     "layout": "framework (AReaL's pack_tensor_dict -> pad_mb_list -> preprocess_packed_seqs_context_parallel lays "
               "out thd and zigzag rows, the default) or shardcheck (the harness's rows; the default variant only)",
-    "cp_all_gather": "areal:engine under CP on a gloo world: torch (torch.distributed.nn.functional.all_gather, "
+    "cp_all_gather": "areal:engine and areal:loss under CP on a gloo world: torch "
+                     "(torch.distributed.nn.functional.all_gather, "
                      "AReaL's own; its gloo backward fails on a CP group other than global ranks 0..cp-1) or "
                      "shardcheck (the same contract, a backward gloo runs on any group); unset: such scenarios are "
                      "skipped with the reason (on nccl torch's own runs)",
+    "entropy_bonus": "areal:loss only: none (AReaL's: its PPO actor loss has no entropy term; a scenario with "
+                     "entropy_coef != 0 is skipped, saying so) or adapter (the adapter adds -entropy_coef x the "
+                     "micro-batch's masked token mean of AReaL's entropy to grpo_loss_fn's loss: its own term)",
 }
+TRAIN_PATH_VARIANTS = ("engine", "loss")  # the variants on train_batch's path (reassemble_cp_packed_logprobs)
 ALL_GATHER = ("torch", "shardcheck")
 
 
@@ -189,7 +202,7 @@ class ArealTarget(CheckoutTarget):
 
     def _all_gather_rule(self, scenario: Scenario) -> str | None:
         """areal:engine under CP where AReaL reassembles with torch's all-gather, on a gloo world."""
-        if scenario.cp == 1 or self.variant != "engine" or not self.era["engine"]["reassembles"] \
+        if scenario.cp == 1 or self.variant not in TRAIN_PATH_VARIANTS or not self.era["engine"]["reassembles"] \
                 or self.cp_all_gather is not None or _ranks_on_nccl():
             return None
         return ("AReaL's reassemble_cp_packed_logprobs calls torch.distributed.nn.functional.all_gather, whose "
@@ -349,7 +362,7 @@ class ArealTarget(CheckoutTarget):
                                 "the micro-batch split (one micro-batch: AReaL's default mb_spec)"]
             out["not_run"] += ["_prepare_mb_list's split_padded_tensor_dict_into_mb_list (one micro-batch)",
                                "the loss scaling (local weight / total weight * loss multiplier)"]
-            if self.variant == "engine" and era["engine"]["reassembles"]:
+            if self.variant in TRAIN_PATH_VARIANTS and era["engine"]["reassembles"]:
                 out["cp_all_gather"] = {
                     None: "torch's own on nccl; on gloo cp > 1 is skipped (torch's gloo backward)",
                     "torch": "torch.distributed.nn.functional.all_gather, AReaL's own",
@@ -374,8 +387,18 @@ def _ranks_on_nccl() -> bool:
         return False
 
 
+def _build(variant: str | None, config: TargetConfig) -> ArealTarget:
+    if variant == "loss":  # its module builds on this one
+        from shardcheck.targets.areal_loss import ArealLossTarget
+
+        return ArealLossTarget(config)
+    if config.get("entropy_bonus") is not None:
+        raise BadInput("option entropy_bonus is areal:loss's (the training step's loss)")
+    return ArealTarget(variant, config)
+
+
 target = CheckoutFactory(
-    FRAMEWORK, lambda variant, config: ArealTarget(variant, config),
+    FRAMEWORK, _build,
     doc=("inclusionAI/AReaL's gather_logprobs(_entropy) and its Megatron engine's call sites from a source checkout "
          "(--areal-src, --target-src or SHARDCHECK_AREAL_SRC)"),
     options=OPTIONS, variants=VARIANTS)

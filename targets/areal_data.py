@@ -242,10 +242,15 @@ class ArealDataPath:
         return self._fns
 
     @staticmethod
-    def batch(rollout: Rollout) -> dict[str, torch.Tensor]:
+    def batch(rollout: Rollout, values: dict[str, list[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
         """The rollout batch as AReaL's PPO actor hands it to train_batch: ``[B, S]`` right-padded
         with 0, its ``loss_mask`` (1 on response tokens) and old ``logprobs`` rolled by -1 as
-        ``PPOActor._compute_advantages`` rolls them (row p then scores token p + 1)."""
+        ``PPOActor._compute_advantages`` rolls them (row p then scores token p + 1).
+
+        ``values``: per key, per sample, a value per response token (the whole response), placed
+        where the rolled batch holds it (response token j of a sample whose prompt is P at P + j -
+        1, 0 elsewhere); the loss mask is then float, as ``compute_advantages`` leaves it (without
+        them: ``logprobs`` and ``advantages`` are 0, the mask bool)."""
         device = rollout.tokens[0].device
         width, n = max(rollout.total_lengths), len(rollout.tokens)
         input_ids = torch.zeros(n, width, dtype=torch.int64, device=device)
@@ -256,8 +261,17 @@ class ArealDataPath:
             input_ids[i, :total] = tokens
             attention[i, :total] = True
             loss_mask[i, total - response:total] = mask.to(device).bool()
-        return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": torch.roll(loss_mask, -1, -1),
-                "logprobs": torch.zeros(n, width, device=device), "advantages": torch.zeros(n, width, device=device)}
+        out = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": torch.roll(loss_mask, -1, -1),
+               "logprobs": torch.zeros(n, width, device=device), "advantages": torch.zeros(n, width, device=device)}
+        if values is None:
+            return out
+        out["loss_mask"] = out["loss_mask"].float()
+        for key, per_sample in values.items():
+            rolled = torch.zeros(n, width, device=device)
+            for i, (total, response, v) in enumerate(zip(rollout.total_lengths, rollout.response_lengths, per_sample)):
+                rolled[i, total - response - 1:total - 1] = v.to(device, torch.float32)
+            out[key] = rolled
+        return out
 
     def alignment(self, knobs: dict[str, Any], tp: int, cp: int) -> int:
         """Each sequence's alignment, as _prepare_mb_list computes it."""
@@ -266,22 +280,29 @@ class ArealDataPath:
             align = math.lcm(align, module_constants(self.src / CONSTANTS_FILE, (FP8_ALIGNMENT,))[FP8_ALIGNMENT])
         return align
 
-    def micro_batches(self, rollout: Rollout) -> Any:
-        """AReaL's padded MicroBatchList for the batch: one micro-batch, packed and padded by AReaL."""
+    def micro_batches(self, rollout: Rollout, values: dict[str, list[torch.Tensor]] | None = None) -> Any:
+        """AReaL's padded MicroBatchList for the batch: one micro-batch, packed and padded by AReaL
+        (``values``: per-token inputs of the batch, see :meth:`batch`)."""
+        return self.pack(self.batch(rollout, values), rollout.knobs)
+
+    def pack(self, batch: dict[str, torch.Tensor], knobs: dict[str, Any]) -> Any:
+        """A ``[B, S]`` batch as one of AReaL's padded micro-batches: amend_position_ids ->
+        pack_tensor_dict -> MicroBatchList -> pad_mb_list, as _prepare_mb_list calls them."""
         from megatron.core import parallel_state as mpu
 
         f = self.functions()
-        batch = f["amend_position_ids"](self.batch(rollout))  # as _prepare_mb_list does for a text model
+        batch = f["amend_position_ids"](dict(batch))  # as _prepare_mb_list does for a text model
         packed = f["pack_tensor_dict"](dict(batch))
-        n = len(rollout.tokens)
-        spec = types.SimpleNamespace(n_mbs=1, max_tokens_per_mb=rollout.knobs.get("max_tokens_per_mb"))
-        mb_list = f["MicroBatchList"](data=batch, mb_spec=spec, mbs=[packed], group_lens=[sum(rollout.total_lengths)],
+        n = int(batch["attention_mask"].shape[0])
+        lengths = batch["attention_mask"].sum(-1)
+        spec = types.SimpleNamespace(n_mbs=1, max_tokens_per_mb=knobs.get("max_tokens_per_mb"))
+        mb_list = f["MicroBatchList"](data=batch, mb_spec=spec, mbs=[packed], group_lens=[int(lengths.sum())],
                                       forward_indices=list(range(n)), backward_indices=list(range(n)))
-        align = self.alignment(rollout.knobs, mpu.get_tensor_model_parallel_world_size(),
+        align = self.alignment(knobs, mpu.get_tensor_model_parallel_world_size(),
                                mpu.get_context_parallel_world_size())
         aligned = {"seq_align_to": align} if self.facts["seq_align_to"] else \
             {"align_sequences": True, "align_to_multiple_of": align}
-        return f["pad_mb_list"](mb_list, pad_value=0.0, pad_to_maximum=bool(rollout.knobs.get("pad_to_maximum")),
+        return f["pad_mb_list"](mb_list, pad_value=0.0, pad_to_maximum=bool(knobs.get("pad_to_maximum")),
                                 **aligned)
 
     def local_tokens(self, rollout: Rollout) -> torch.Tensor:
@@ -357,7 +378,11 @@ class ArealEnginePath:
     """MegatronEngine's log-prob call sites on AReaL's packed micro-batch (see the module docstring)."""
 
     def __init__(self, src: Path, facts: dict[str, Any], data: ArealDataPath, logprob_functions: dict[str, Any],
-                 dist_f: Any) -> None:
+                 dist_f: Any, methods: tuple[str, ...] = ENGINE_METHODS, schedule: Callable[..., Any] | None = None,
+                 extra: dict[str, Any] | None = None, off_path: tuple[str, ...] = ()) -> None:
+        """``methods``: the engine's methods compiled (besides its log-prob call sites, what a
+        caller of them needs); ``schedule`` stands in for get_forward_backward_func()'s schedule
+        (default: one forward step per micro-batch); ``extra`` / ``off_path``: what else they read."""
         from megatron.core import parallel_state as mpu
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -372,10 +397,10 @@ class ArealEnginePath:
                                             **module_constants(cp_path, ("_VLM_FORWARD_KEYS",))})
         fns = data.functions()
         given = {"torch": torch, "functools": functools, "mpu": mpu, "unpad_logits": fns["unpad_logits"],
-                 "get_forward_backward_func": lambda: _one_step_per_micro_batch,
+                 "get_forward_backward_func": lambda: schedule or _one_step_per_micro_batch,
                  "trace_scope": lambda *a, **k: contextlib.nullcontext(), **logprob_functions,
-                 **{n: cp[n] for n in names}}
-        self.methods = compile_methods(src / ENGINE_FILE, ENGINE_CLASS, ENGINE_METHODS, given, TREE_TRAINING)
+                 **{n: cp[n] for n in names}, **(extra or {})}
+        self.methods = compile_methods(src / ENGINE_FILE, ENGINE_CLASS, methods, given, TREE_TRAINING + off_path)
         self.reorder = compile_alone(src / TRAIN_ENGINE_FILE, ["reorder_and_pad_outputs"], {
             "torch": torch, **{n: fns[n] for n in ("unpack_sequence", "reorder_list",
                                                    "pad_and_stack_tensors_along_first_dim") if n in fns}}
@@ -386,8 +411,8 @@ class ArealEnginePath:
         engine = types.SimpleNamespace(config=types.SimpleNamespace(temperature=temperature, is_critic=False),
                                        enable_tree_training=False, is_vision_model=False,
                                        model=[_Model(logits, rows)], _ensure_ready=lambda: None)
-        for name, fn in self.methods.items():
-            setattr(engine, name, types.MethodType(fn, engine))
+        for name, fn in self.methods.items():  # a staticmethod (_normalize_batch_input) takes no engine
+            setattr(engine, name, fn.__func__ if isinstance(fn, staticmethod) else types.MethodType(fn, engine))
         return engine
 
     def train(self, logits: torch.Tensor, rows: torch.Tensor, rollout: Rollout, temperature: float

@@ -4,8 +4,9 @@ Era detection, capabilities and skip reasons, bad input and the hygiene of what 
 imported are checked on small fake checkouts without it; the historical fixes need
 SHARDCHECK_AREAL_REPO (a clone with its history).
 
-Over 20 s: with a checkout (about 22 s here), the target runs suites on real worlds and the
-historical fixes run shardcheck at two commits each (without one: 1 s)."""
+Over 20 s: with a checkout and its history (about 50 s here), the target runs suites and
+training steps on real worlds and the historical fixes run shardcheck at two commits each
+(without one: 1 s)."""
 
 import dataclasses
 import json
@@ -209,6 +210,19 @@ def test_the_variants_need_the_engine_and_its_packing(tmp_path):
     assert plain.data_path is None and plain.describe()["data_path"] == "shardcheck's layout (layout=shardcheck)"
 
 
+def test_the_loss_variant_is_refused_where_its_actor_or_option_is_not(tmp_path):
+    """areal:loss needs the PPO actor's loss (grpo_loss_fn) beside the engine: a checkout without it
+    is one line; entropy_bonus takes none or adapter, and is areal:loss's alone."""
+    new = str(_new(tmp_path))
+    with pytest.raises(BadInput, match="no grpo_loss_fn in areal/trainer/ppo/actor.py") as info:
+        areal.target("loss", TargetConfig(new))
+    assert "\n" not in str(info.value)
+    with pytest.raises(BadInput, match="option entropy_bonus='yes': expected none or adapter"):
+        areal.target("loss", TargetConfig(new, (("entropy_bonus", "yes"),)))
+    with pytest.raises(BadInput, match="option entropy_bonus is areal:loss's"):
+        areal.target("engine", TargetConfig(new, (("entropy_bonus", "adapter"),)))
+
+
 def test_compiling_and_importing_write_nothing_and_are_undone(tmp_path):
     """The functions are compiled from their file (the module's top level, which imports
     areal.infra.platforms and torch.compiles, is not run); a module of AReaL imported as it is
@@ -278,9 +292,10 @@ def test_a_layout_knob_value_it_does_not_take_is_one_line_exit_2(tmp_path, cli_i
 # ---- against a real checkout --------------------------------------------------------------------
 
 def _run(world, tmp_path, monkeypatch, target: str, scenarios, *, src: str | None = None, commit: str | None = None,
-         options: dict | None = None):
+         options: dict | None = None, **checks):
     """``shardcheck run --target TARGET`` on the session's world with the checkout ``src`` (default:
-    SHARDCHECK_AREAL_SRC) and ``--target-opt``s: verdicts by name, and the report."""
+    SHARDCHECK_AREAL_SRC), ``--target-opt``s and the run's ``checks`` (mask_leak, coverage):
+    verdicts by name, and the report."""
     if src is not None:
         monkeypatch.setenv(ENV, src)
     if commit is not None:
@@ -290,7 +305,7 @@ def _run(world, tmp_path, monkeypatch, target: str, scenarios, *, src: str | Non
     else:
         monkeypatch.delenv("SHARDCHECK_TARGET_OPTS", raising=False)
     scenarios = [s if isinstance(s, Scenario) else Scenario.from_dict(s) for s in scenarios]
-    run = run_on_world(world, scenarios, target, tmp_path / f"{target.replace(':', '-')}.json", "areal")
+    run = run_on_world(world, scenarios, target, tmp_path / f"{target.replace(':', '-')}.json", "areal", **checks)
     return run, {v["name"]: v for v in run.report["scenarios"]}
 
 
@@ -419,6 +434,95 @@ def test_gathered_catches_a_reassembly_whose_backward_does_not_sum(world, tmp_pa
     assert run.exit_code == 1, run.stdout[-3000:]
     for name, v in verdicts.items():
         assert set(v["kinds"]) == {"grad_mismatch"}, (name, v["kinds"])
+
+
+def _training(*names: str) -> list[Scenario]:
+    return [s for s in suites.get_suite("training") if s.name in names]
+
+
+ADAPTER_TERMS = {"entropy_bonus": "adapter", "cp_all_gather": "shardcheck"}
+
+
+@needs_areal
+def test_the_loss_variant_declares_areals_normalisation_and_what_it_skips(on_gloo):
+    """areal:loss declares the global batch's token mean in AReaL's own names, read from its files
+    (the actor's loss_weight_fn, train_batch's total_loss_weight over DP x CP and loss_multiplier
+    with len(mb_list)), megatron's two-value form; what it cannot run is skipped, saying why."""
+    target = areal.target("loss", TargetConfig(AREAL_SRC))
+    try:
+        assert target.loss_form == "step" and target.calculate_per_token_loss is False
+        assert target.definitions.objective == "token_mean"
+        source = target.definitions.objective_source
+        for said in ("lambda x: x['loss_mask'].count_nonzero()", "areal/trainer/ppo/actor.py:",
+                     "mpu.get_data_parallel_group(with_context_parallel=True)",
+                     "self.optimizer.get_loss_scale().item() * len(mb_list)"):
+            assert said in source, source
+        cells = {s.name: s for s in suites.get_suite("training")}
+        skip = target.capabilities.skip_reason
+        assert "has no entropy term" in skip(cells["step-thd-dp2-mb3"])  # entropy_coef 0.1
+        assert "no all-gather CP" in skip(cells["step-allgather-cp2tp2-mb3"])
+        assert "packs every batch" in skip(cells["step-bshd-dp2tp2-mb3"])
+        assert "torch limitation" in skip(cells["step-zigzag-dp2cp2-mb2"])  # a CP group other than ranks 0, 1
+        masked = Scenario.from_dict({"name": "m", "samples": [[6, 1], [7, 3]], "vocab": 8, "micro_batch_size": 1,
+                                     "seed": 3})
+        assert "has every token masked" in skip(masked)
+        described = target.describe()
+        assert described["loss"]["loss_fn"].startswith("areal/trainer/ppo/actor.py:")
+        assert "functools.partial(grpo_loss_fn" in described["loss"]["loss_fn"]
+    finally:
+        target.release()
+    with_terms = areal.target("loss", TargetConfig(AREAL_SRC, tuple(ADAPTER_TERMS.items())))
+    assert with_terms.capabilities.skip_reason(cells["step-thd-dp2-mb3"]) is None
+    assert with_terms.capabilities.skip_reason(cells["step-zigzag-dp2cp2-mb2"]) is None
+
+
+@needs_areal
+@pytest.mark.world
+def test_areals_ppo_actor_loss_passes_the_training_step(world, tmp_path, monkeypatch):
+    """AReaL's PPO actor loss through train_batch at the pin: the optimizer's gradient is the global
+    batch's token mean over dp, micro-batches, tp and cp (the adapter's entropy term and gloo-safe
+    CP all-gather on). The mask-leak run is off here: its NaN stops in AReaL's own guard (below)."""
+    names = ("step-thd-dp2-mb3", "step-zigzag-cp4-mb2", "step-zigzag-tp2cp2-mb3", "step-thd-dp2tp2-bf16",
+             "step-bshd-dp2tp2-mb3")
+    run, verdicts = _run(world, tmp_path, monkeypatch, "areal:loss", _training(*names), options=ADAPTER_TERMS,
+                         mask_leak=False)
+    assert run.exit_code == 0, run.stdout[-3000:]
+    assert {n: v["verdict"] for n, v in verdicts.items()} == {**{n: "pass" for n in names[:-1]},
+                                                              "step-bshd-dp2tp2-mb3": "skip"}
+
+
+@needs_areal
+@pytest.mark.world
+def test_the_mask_leak_run_stops_in_areals_prox_logp_guard(world, tmp_path, monkeypatch):
+    """A finding, judged by design (docs/areal.md): the mask-leak run's NaN at the masked tokens of
+    the old log-probs reaches prox_logp (as AReaL's compute_advantages leaves it, logprobs and
+    prox_logp the same), and grpo_loss_fn's _resolve_proximal_logp refuses a NaN anywhere in it:
+    the step raises instead of letting it through."""
+    run, verdicts = _run(world, tmp_path, monkeypatch, "areal:loss", _training("step-thd-dp2-mb3"),
+                         options=ADAPTER_TERMS)
+    assert run.exit_code == 1, run.stdout[-3000:]
+    [failure] = verdicts["step-thd-dp2-mb3"]["failures"]
+    assert failure["kind"] == "rank_error", failure
+    assert "prox_logp contains NaN or Inf" in failure["message"], failure["message"]
+    assert "areal/trainer/ppo/actor.py" in failure["message"] and "_resolve_proximal_logp" in failure["message"]
+
+
+@needs_areal
+@pytest.mark.world
+def test_coverage_of_the_loss_names_areals_loss_the_schedule_and_ddp(world, tmp_path, monkeypatch):
+    run, _ = _run(world, tmp_path, monkeypatch, "areal:loss", _training("step-thd-dp2-mb3"), options=ADAPTER_TERMS,
+                  mask_leak=False, coverage=True)
+    assert run.exit_code == 0, run.stdout[-3000:]
+    ran = {name for f in run.report["coverage"]["files"].values() for name in f["functions"]}
+    for name in ("areal/trainer/ppo/actor.py:grpo_loss_fn", "areal/utils/functional/functional.py:ppo_actor_loss_fn",
+                 "areal/engine/megatron_engine.py:MegatronEngine.train_batch",
+                 "areal/engine/megatron_engine.py:MegatronEngine._compute_logprobs_and_loss",
+                 "areal/engine/core/train_engine.py:compute_total_loss_weight",
+                 "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
+                 "megatron-core/megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBucketGroup."
+                 "finish_grad_sync",
+                 "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads"):
+        assert name in ran, sorted(ran)
 
 
 @needs_areal
@@ -553,3 +657,31 @@ def test_a_zero_length_sequence_handed_to_the_model_fixed_at_be621da55(world2, t
                                            "length (256 to 256)"), failure["message"]
     run, verdicts = _run(world2, tmp_path, monkeypatch, "areal", PAGE, src=_export(tmp_path, PR_1104), commit=PR_1104)
     assert run.exit_code == 0, run.stdout[-3000:]
+
+
+PR_1273, PR_1273_PARENT = "5e9fb505c", "b4387877b"  # "compensate pipeline schedule's /num_microbatches" (#1273)
+TWO_MICRO_BATCHES = [{"name": "step-thd-dp4-mb2", "samples": [[23, 9], [14, 6], [9, 1], [17, 11], [30, 4], [12, 7],
+                                                              [19, 8], [11, 5]],
+                      "vocab": 32, "dp": 4, "micro_batch_size": 1, "seed": 1273}]
+
+
+@needs_history
+@pytest.mark.world
+def test_the_schedules_division_by_num_microbatches_cancelled_at_5e9fb505c(world, tmp_path, monkeypatch):
+    """Before #1273 train_batch's loss_multiplier was dp x loss_scale: megatron's schedule divides a
+    two-value loss by num_microbatches, so two micro-batches gave the optimizer half the gradient.
+    5e9fb505c multiplies by len(mb_list). dp 4 and two micro-batches keep the factor's name apart;
+    cp 1: that era hands its loss CP-local log-probs (fixed at 95e2379d0). The mask-leak run is
+    off: its NaN stops in AReaL's guard at both commits."""
+    run, verdicts = _run(world, tmp_path, monkeypatch, "areal:loss", TWO_MICRO_BATCHES,
+                         src=_export(tmp_path, PR_1273_PARENT), commit=PR_1273_PARENT, mask_leak=False)
+    assert run.exit_code == 1, run.stdout[-3000:]
+    first = verdicts["step-thd-dp4-mb2"]["failures"][0]
+    assert first["kind"] == "grad_mismatch", first
+    assert "is x 0.500 the reference's on every row (= 1 / num_microbatches): token_mean scaled wrong" in \
+        first["message"], first["message"]
+    assert "self.optimizer.get_loss_scale().item()" in run.report["target"]["loss"]["loss_multiplier"]
+    run, verdicts = _run(world, tmp_path, monkeypatch, "areal:loss", TWO_MICRO_BATCHES,
+                         src=_export(tmp_path, PR_1273), commit=PR_1273, mask_leak=False)
+    assert run.exit_code == 0, run.stdout[-3000:]
+    assert run.report["target"]["loss"]["loss_multiplier"].endswith("* len(mb_list)")
