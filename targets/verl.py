@@ -1,5 +1,6 @@
 """verl's Megatron log-prob and entropy path, imported from a source checkout: ``--target verl``
-and ``--target verl:actor``.
+and ``--target verl:actor`` (``--target verl:loss``, verl's policy loss in the training step on the
+engine's terms, is :mod:`shardcheck.targets.verl_loss`).
 
 verl is named by a checkout (``--verl-src DIR``, ``--target-src DIR`` or ``SHARDCHECK_VERL_SRC``);
 it is never installed and its files are never written (no bytecode is cached there).
@@ -91,7 +92,7 @@ TF_MODULE = "verl.utils.torch_functional"
 # only when missing
 STUBBABLE = ("ray", "tensordict", "transformers", "flash_attn", "omegaconf", "codetiming", "hydra", "accelerate",
              "peft", "torch_npu", "mindspeed", "liger_kernel", "vllm", "sglang", "wandb", "datasets", "pandas",
-             "pyarrow", "tensorboard", "mbridge", "megatron.bridge", "transformer_engine", "apex")
+             "pyarrow", "tensorboard", "mbridge", "megatron.bridge", "transformer_engine", "apex", "orjson", "PIL")
 REPLAY_WHY = ("verl's Megatron log-prob path takes no replayed top-p / top-k keep sets: "
               "vocab_parallel_log_probs_from_logits and the actor's logits processor normalise over the whole "
               "vocabulary")
@@ -114,7 +115,14 @@ OPTIONS = {
                         "2048 where the scenario has none (verl's entropy_from_logits_with_chunking; default false)",
     "layout": "verl:actor only: framework (verl's own packing lays out the rows, the default) or shardcheck (the "
               "harness's rows; the engine then skips scenarios whose rows verl's packing puts elsewhere)",
+    "loss_agg_mode": "verl:loss only: verl's loss_agg_mode (agg_loss), verl's default (token-mean) unless given: "
+                     "token-mean (the global batch's token mean), seq-mean-token-mean (the mean of each sample's token "
+                     "mean); seq-mean-token-sum, token-sum and seq-mean-token-sum-norm are skipped, saying why",
+    "loss_scale_factor": "verl:loss with loss_agg_mode=seq-mean-token-sum-norm only: batch_num_tokens sets verl's "
+                         "loss_scale_factor to the global batch's masked-in count (the mode is then the token mean, "
+                         "at commits where it is the global token sum over the factor)",
 }
+LOSS_OPTIONS = ("loss_agg_mode", "loss_scale_factor")
 
 
 FRAMEWORK = Framework("verl", "verl", str(TP_FILE), ("verl",), STUBBABLE, package_inits="skip_above", eager=True,
@@ -495,7 +503,8 @@ class VerlActorTarget(VerlTarget):
         values.update({f: getattr(tp, f) for f in FUNCTIONS if hasattr(tp, f)})
         return values
 
-    def compute(self, inputs: RankInputs) -> RankOutputs:
+    def _caller(self, inputs: RankInputs) -> tuple[Any, dict[str, Any]]:
+        """The call site bound as its caller binds it: ``call(logits, args)`` and the context."""
         fn, namespace, free = self._site_function()
         context = self._context(inputs)
         namespace.update({k: context[k] for k in free})
@@ -507,6 +516,10 @@ class VerlActorTarget(VerlTarget):
         def call(logits: Any, args: dict[str, Any]) -> dict[str, Any]:
             return fn(*lead, logits, **args, **keywords)
 
+        return call, context
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        call, context = self._caller(inputs)
         try:
             if inputs.rollout is not None:  # verl's own packing laid out the rows: run it on the real batch
                 if self.kind == "legacy":
@@ -598,11 +611,25 @@ class VerlActorTarget(VerlTarget):
         return self._outputs(inputs, {k: per_sample(v) for k, v in out.items()})
 
     def _engine_packed(self, call: Any, inputs: RankInputs) -> RankOutputs:
-        """MegatronEngineWithLMHead's logits processor on the rollout batch, with what verl's
-        engine forward builds from it: nested ids, ``label`` a clone of them, per-sample temperatures
-        expanded as nested, each packed by verl's preprocess (the data path, with the scenario's
-        layout knobs; labels rolled where it rolls them), the outputs unpacked by verl's postprocess
-        (which all-gathers them over CP)."""
+        """MegatronEngineWithLMHead's logits processor on the rollout batch (:meth:`_engine_forward`),
+        each sample's response tokens cut from its outputs."""
+        rollout = inputs.rollout
+        out = self._engine_forward(call, inputs)
+        prompts = [t - r for t, r in zip(rollout.total_lengths, rollout.response_lengths)]
+
+        def per_sample(nested: Any) -> list:
+            return [nested[i][prompts[i] - 1 : prompts[i] - 1 + rollout.response_lengths[i]]
+                    for i in range(len(rollout.tokens))]
+
+        return self._outputs(inputs, {k: per_sample(v) for k, v in out.items()})
+
+    def _engine_forward(self, call: Any, inputs: RankInputs) -> dict[str, Any]:
+        """What verl's engine forward returns for the rollout batch (its ``model_output``): the
+        logits processor with the arguments the forward builds (nested ids, ``label`` a clone of
+        them, per-sample temperatures expanded as nested, each packed by verl's preprocess: the
+        data path, with the scenario's layout knobs; labels rolled where it rolls them), its
+        outputs unpacked by verl's postprocess (which all-gathers them over CP): per key a nested
+        tensor, every sample's whole sequence."""
         import torch
 
         path = self.data_path
@@ -628,13 +655,7 @@ class VerlActorTarget(VerlTarget):
             post_args = path.kwargs(post_name, {k: v for k, v in knobs.items() if k == "cp_layout"})
             out = {k: post(v, packed_seq_params, input_ids, batch_size, post_process=True, **post_args)
                    for k, v in ret.items()}
-        prompts = [t - r for t, r in zip(rollout.total_lengths, rollout.response_lengths)]
-
-        def per_sample(nested: Any) -> list:
-            return [nested[i][prompts[i] - 1 : prompts[i] - 1 + rollout.response_lengths[i]]
-                    for i in range(batch_size)]
-
-        return self._outputs(inputs, {k: per_sample(v) for k, v in out.items()})
+        return out
 
     def _outputs(self, inputs: RankInputs, out: dict[str, list]) -> RankOutputs:
         """Per sample, the rank's share of verl's per-response-token outputs. verl's CP output is
@@ -728,6 +749,13 @@ def call_code_under_test(logits, rank):
 
 
 def _build(variant: str | None, config: TargetConfig) -> VerlTarget:
+    if variant == "loss":
+        from shardcheck.targets.verl_loss import build
+
+        return build(config)
+    given = [k for k in LOSS_OPTIONS if config.get(k) is not None]
+    if given:
+        raise BadInput(f"option {given[0]} is verl:loss's (the training step's loss)")
     if variant is None:
         if config.get("call_site") is not None:
             raise BadInput("target 'verl': option call_site applies to verl:actor only")
@@ -740,4 +768,8 @@ target = CheckoutFactory(
     doc=("verl's Megatron log-prob and entropy functions from a source checkout (--verl-src, --target-src or "
          "SHARDCHECK_VERL_SRC)\n\nWith the variant ``actor``, the actor's own call site that combines them with "
          "the temperature."),
-    options=OPTIONS, variants={"actor": " ".join((VerlActorTarget.__doc__ or "").split())})
+    options=OPTIONS, variants={"actor": " ".join((VerlActorTarget.__doc__ or "").split()),
+                               "loss": "verl's policy loss in the training step: losses.py's ppo_loss (agg_loss, "
+                                       "compute_policy_loss_vanilla) on the engine's model output, with the engine's "
+                                       "global batch info and its rescale for megatron-core's schedule "
+                                       "(transformer_impl.py, compiled alone); option loss_agg_mode"})

@@ -217,7 +217,8 @@ def test_variants_options_and_call_sites_are_checked(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     old = str(_fake_checkout(tmp_path / "old", legacy=LEGACY_ACTOR))
     bare = str(_fake_checkout(tmp_path / "bare"))
-    assert set(target.variants) == {"actor"} and set(target.options) == {"call_site", "entropy_chunking", "layout"}
+    assert set(target.variants) == {"actor", "loss"}
+    assert set(target.options) == {"call_site", "entropy_chunking", "layout", "loss_agg_mode", "loss_scale_factor"}
     with pytest.raises(BadInput, match="no variant 'nope'"):
         target("nope", TargetConfig(old))
     # through resolve, as the CLI builds it (module:callable: the registry's metadata may be stale
@@ -239,6 +240,8 @@ def test_variants_options_and_call_sites_are_checked(tmp_path, monkeypatch):
         target("actor", TargetConfig(old, (("call_site", "both"),)))
     with pytest.raises(BadInput, match="layout='mine': expected framework or shardcheck"):
         target("actor", TargetConfig(old, (("layout", "mine"),)))
+    with pytest.raises(BadInput, match="option loss_agg_mode is verl:loss's"):
+        target("actor", TargetConfig(old, (("loss_agg_mode", "token-mean"),)))
     if REGISTERED:
         with pytest.raises(BadInput, match="no variant 'nope'"):
             resolve("verl:nope", TargetConfig(old))
@@ -629,3 +632,243 @@ def test_position_ids_handed_to_the_model_under_cp_fixed_at_6267(tmp_path):
             "positions: row 6 (sample 0 position 12) holds 18") in before.stdout, before.stdout[-3000:]
     after = run_cli(*args, "--verl-src", export_commit(repo, PR_6267, tmp_path / "after", "verl"), cwd=str(tmp_path))
     assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-2000:]
+
+
+# -- verl:loss: verl's policy loss in the training step ------------------------------------------------------------
+# by module path, as PLAIN and ACTOR (the registry's metadata may be stale where pytest runs from the checkout)
+LOSS = "shardcheck.targets.verl_loss:build"
+
+AGG_BEFORE_5417 = """
+def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+             loss_scale_factor=None):
+    if loss_agg_mode == "token-mean":
+        loss = masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    elif loss_agg_mode == "seq-mean-token-mean":
+        loss = masked_sum(loss_mat, loss_mask) / global_batch_size * dp_size
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        loss = torch.sum(seq_losses) / loss_scale_factor * dp_size
+    else:
+        raise ValueError(loss_agg_mode)
+    return loss
+"""
+
+# since #5417 the norm mode is the sequence mean over loss_scale_factor
+NORM_BEFORE_5417 = '''    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        loss = torch.sum(seq_losses) / loss_scale_factor * dp_size'''
+AGG_SINCE_5417 = AGG_BEFORE_5417.replace(NORM_BEFORE_5417, '''    elif loss_agg_mode in ["seq-mean-token-sum", "seq-mean-token-sum-norm"]:
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss /= loss_scale_factor''')
+
+LOSSES = """
+def ppo_loss(config, model_output, data, dp_group=None):
+    config.global_batch_info["dp_size"] = data["dp_size"]
+"""
+
+ENGINE_LOSS = ENGINE_METHOD + """
+    def prepare_model_outputs(self, output, data):
+        return output
+
+    def postprocess_micro_batch_func(self, output, data, forward_only, loss_function):
+        loss, metrics = loss_function(model_output=self.prepare_model_outputs(output, data), data=data)
+        return loss * data["num_micro_batch"], {"loss": loss.detach().item(), "metrics": metrics}
+
+
+class MegatronEngine:
+    def get_data_parallel_size(self):
+        return mpu.get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        return mpu.get_data_parallel_group()
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        tu.assign_non_tensor(data, sp_size=self.engine_config.context_parallel_size)
+        loss_mask = data["loss_mask"]
+        batch_num_tokens = loss_mask.sum().to(get_device_id())
+        torch.distributed.all_reduce(batch_num_tokens, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+        micro_batches, indices = prepare_micro_batches(data=data)
+        tu.assign_non_tensor(data, batch_num_tokens=0)
+"""
+
+
+def _fake_loss_checkout(root, agg=AGG_BEFORE_5417, losses=LOSSES, engine=ENGINE_LOSS):
+    _fake_checkout(root, tp=TP_NEW, engine=engine, util=UTIL_NEW)
+    for rel, text in (("verl/trainer/ppo/core_algos.py", agg), ("verl/workers/utils/losses.py", losses)):
+        if text is not None:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(textwrap.dedent(text))
+    return str(root)
+
+
+def test_the_loss_era_and_each_modes_objective_are_read_from_the_checkout(tmp_path, monkeypatch):
+    """agg_loss's modes and what its norm mode is, and forward_backward_batch's global batch info
+    lines (up to its split of the mini-batch), read from verl's files; each mode declares the
+    objective it is, or every scenario is skipped saying why."""
+    from shardcheck.targets.verl_loss import detect_loss_era
+
+    monkeypatch.delenv(ENV, raising=False)
+    before = _fake_loss_checkout(tmp_path / "before")
+    era = detect_loss_era(tmp_path / "before")
+    assert era["agg_loss"]["modes"] == ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    assert era["agg_loss"]["norm_is_global_token_sum"]
+    engine_lines = (tmp_path / "before" / "verl/workers/engine/megatron/transformer_impl.py").read_text().splitlines()
+    chosen = [engine_lines[a - 1].strip() for a, _ in era["global_batch_info_lines"]]
+    assert chosen == ['loss_mask = data["loss_mask"]', "batch_num_tokens = loss_mask.sum().to(get_device_id())",
+                      "torch.distributed.all_reduce(batch_num_tokens, group=self.get_data_parallel_group())",
+                      "tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())",
+                      "tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())"]
+    since = _fake_loss_checkout(tmp_path / "since", agg=AGG_SINCE_5417)
+    assert detect_loss_era(tmp_path / "since")["agg_loss"]["modes"] == [
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+    def loss(src, **options):
+        return resolve(LOSS, TargetConfig(src, tuple(options.items())))
+
+    step = get_suite("training")[0]
+    assert loss(before).definitions.objective == "token_mean" and loss(before).loss_agg_mode == "token-mean"
+    assert loss(before, loss_agg_mode="seq-mean-token-mean").definitions.objective == "sample_mean"
+    norm = loss(before, loss_agg_mode="seq-mean-token-sum-norm")
+    assert "loss_scale_factor=batch_num_tokens makes it the token mean" in norm.capabilities.skip_reason(step)
+    counted = loss(before, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor="batch_num_tokens")
+    assert counted.definitions.objective == "token_mean" and counted.capabilities.skip_reason(step) is None
+    for mode, words in (("seq-mean-token-sum-norm", "is the mean over samples of each sample's token sum, over "
+                                                    "loss_scale_factor"),
+                        ("seq-mean-token-sum", "each sample's token sum: not an objective")):
+        reason = loss(since, loss_agg_mode=mode).capabilities.skip_reason(step)
+        assert words in reason and "\n" not in reason, reason
+    for options, words in (({"loss_agg_mode": "token-sum"}, "agg_loss at before takes token-mean"),
+                           ({"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": "7"},
+                            "only batch_num_tokens"),
+                           ({"loss_scale_factor": "batch_num_tokens"}, "read by loss_agg_mode=seq-mean-token-sum-norm"),
+                           ({"call_site": "legacy"}, "call_site=engine only"),
+                           ({"layout": "shardcheck"}, "layout=framework only")):
+        with pytest.raises(BadInput, match=words):
+            loss(before, **options)
+    with pytest.raises(BadInput, match="no ppo_loss in verl/workers/utils/losses.py"):
+        loss(_fake_loss_checkout(tmp_path / "no-loss", losses=None))
+    with pytest.raises(BadInput, match="has no MegatronEngine.get_data_parallel_size"):
+        loss(_fake_loss_checkout(tmp_path / "no-engine", engine=ENGINE_METHOD))
+
+
+def _step_scenarios(*names):
+    return [sc for sc in get_suite("training") if sc.name in names]
+
+
+@needs_verl
+@pytest.mark.world
+def test_verls_token_mean_loss_passes_the_training_step(world, tmp_path):
+    """verl:loss at the pin, verl's default loss_agg_mode (token-mean): ppo_loss on the engine's model
+    output, the engine's global batch info (the mini-batch's loss_mask summed over the data-parallel
+    group) and its loss * num_micro_batch for megatron-core's two-value form: the gradient DDP leaves
+    is the global batch's token mean at dp 2 x 3 micro-batches (and a copy of the step: dp 4 in all),
+    dp 2 x cp 2 and tp 2 x cp 2; NaN at masked positions reaches nothing (the mask-leak check on).
+    verl's in-place writes into the logits are known (the engine's logits.div_): --no-inplace."""
+    scenarios = _step_scenarios("step-thd-dp2-mb3", "step-zigzag-dp2cp2-mb2", "step-zigzag-tp2cp2-mb3")
+    run = run_on_world(world, scenarios, LOSS, tmp_path / "r.json", "training", inplace=False)
+    assert run.exit_code == 0, run.stdout[-3000:]
+    assert {v["verdict"] for v in run.report["scenarios"]} == {"pass"}
+    loss = run.report["target"]["loss"]
+    assert loss["loss_agg_mode"] == "token-mean" and "ppo_loss" in loss["loss_function"]
+    assert "loss_agg_mode=token-mean" in run.report["target"]["definitions"]["objective"]
+
+
+@needs_verl
+@pytest.mark.world
+def test_verls_seq_mean_token_mean_is_the_sample_mean_and_lets_nan_at_masked_positions_in(world, tmp_path,
+                                                                                             monkeypatch):
+    """loss_agg_mode=seq-mean-token-mean: the gradient is the mean of each sample's token mean over the
+    global batch. A finding at the pin, latent: agg_loss's sequence modes sum loss_mat * loss_mask
+    (core_algos.py, seq-mean-token-mean's torch.sum(loss_mat * loss_mask, dim=-1)), so NaN at a masked
+    token (its logits, advantage or old log-prob) makes the loss NaN; masked_sum, which token-mean
+    uses, selects (#2377). verl's own rollouts give finite values there."""
+    from shardcheck.targets.base import OPTS_ENV
+
+    monkeypatch.setenv(OPTS_ENV, json.dumps([["loss_agg_mode", "seq-mean-token-mean"]]))
+    scenarios = _step_scenarios("step-thd-dp2-mb3", "step-zigzag-cp4-mb2")
+    run = run_on_world(world, scenarios, LOSS, tmp_path / "r.json", "training", inplace=False, mask_leak=False)
+    assert run.exit_code == 0, run.stdout[-3000:]
+    assert "each sample's masked token mean" in run.report["target"]["definitions"]["objective"]
+    leak = run_on_world(world, _step_scenarios("step-thd-dp4"), LOSS, tmp_path / "l.json", "training",
+                        inplace=False)
+    assert leak.exit_code == 1, leak.stdout[-3000:]
+    assert ("mask_leak [ranks 0]: NaN at the masked positions of the logits and advantages and old_log_probs "
+            "reached the loss of micro-batch 0") in leak.stdout, leak.stdout[-3000:]
+
+
+@needs_verl
+def test_verls_sums_are_skipped_saying_why():
+    """token-sum, seq-mean-token-sum and (since #5417) seq-mean-token-sum-norm are sums, not a mean
+    the reference computes: every step scenario is skipped with the reason."""
+    era_modes = resolve(LOSS, TargetConfig(None)).loss_era["agg_loss"]["modes"]
+    for mode in ("token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        if mode not in era_modes:
+            continue
+        loss = resolve(LOSS, TargetConfig(None, (("loss_agg_mode", mode),)))
+        reasons = {loss.capabilities.skip_reason(sc) for sc in get_suite("training")}
+        assert len(reasons) == 1 and "not an objective the reference computes" in reasons.pop(), mode
+
+
+ENGINE = "verl/workers/engine/megatron/transformer_impl.py"
+
+
+@needs_verl
+@pytest.mark.world
+def test_coverage_of_verls_loss_names_the_loss_the_engine_the_schedule_and_ddp(world, tmp_path):
+    run = run_on_world(world, _step_scenarios("step-thd-dp2-mb3"), LOSS, tmp_path / "r.json", "training",
+                       inplace=False, mask_leak=False, coverage=True)
+    assert run.exit_code == 0, run.stdout[-3000:]
+    ran = {name for f in run.report["coverage"]["files"].values() for name in f["functions"]}
+    for name in ("verl/workers/utils/losses.py:ppo_loss", "verl/trainer/ppo/core_algos.py:agg_loss",
+                 "verl/trainer/ppo/core_algos.py:compute_policy_loss_vanilla",
+                 f"{ENGINE}:MegatronEngine.forward_backward_batch",
+                 f"{ENGINE}:MegatronEngineWithLMHead.postprocess_micro_batch_func",
+                 "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
+                 "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads",
+                 "megatron-core/megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBucketGroup."
+                 "finish_grad_sync"):
+        assert name in ran, sorted(ran)
+
+
+PR_5366 = "3671d37fe"  # "correct & consistent loss aggregation for seq-mean-token-sum-norm": * dp_size
+PR_2377 = "5cbad8379"  # masked_sum selects instead of multiplying (before the engine's ppo_loss existed)
+
+
+@pytest.mark.world
+@pytest.mark.skipif(not _repo_with(PR_5366), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
+                    f"holding {PR_5366} (a clone of verl-project/verl with its history)")
+def test_the_norm_modes_missing_dp_factor_fails_before_5366_and_passes_after(world2, tmp_path, monkeypatch):
+    """Before #5366, agg_loss's seq-mean-token-sum-norm was the micro-batch's token sum over
+    loss_scale_factor, without the * dp_size the other modes have to cancel DDP's mean over the
+    data-parallel ranks. With loss_scale_factor the global batch's masked-in count its objective is
+    the token mean: at dp 2 the gradient is x 0.5 (= 1 / dp) at the parent, right at the fix (the
+    mask-leak check off: the branch's loss_mat * loss_mask lets NaN in at both)."""
+    from shardcheck.targets.base import OPTS_ENV, SRC_ENV
+
+    repo = _repo_with(PR_5366)
+    monkeypatch.setenv(OPTS_ENV, json.dumps([["loss_agg_mode", "seq-mean-token-sum-norm"],
+                                             ["loss_scale_factor", "batch_num_tokens"]]))
+    said = {}
+    for name, rev in (("parent", f"{PR_5366}~1"), ("fix", PR_5366)):
+        monkeypatch.setenv(SRC_ENV, export_commit(repo, rev, tmp_path / name, "verl"))
+        said[name] = run_on_world(world2, _step_scenarios("step-thd-dp2-mb3"), LOSS, tmp_path / f"{name}.json",
+                                  "training", inplace=False, mask_leak=False)
+    assert said["parent"].exit_code == 1, said["parent"].stdout[-3000:]
+    assert ("grad_mismatch [ranks 0,1]: the step's gradient (DDP's main_grad, what the optimizer sees) is x 0.500 "
+            "the reference's on every row (= 1 / dp): token_mean scaled wrong") in said["parent"].stdout
+    assert said["fix"].exit_code == 0, said["fix"].stdout[-3000:]
+
+
+@pytest.mark.skipif(not _repo_with(PR_2377), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
+                    f"holding {PR_2377} (a clone of verl-project/verl with its history)")
+def test_an_era_before_the_engines_loss_is_refused_in_one_line(tmp_path):
+    """#2377 (masked_sum multiplied by the mask) predates verl/workers/utils/losses.py: its loss was
+    the legacy MegatronPPOActor's, which verl:loss does not follow."""
+    parent = export_commit(_repo_with(PR_2377), f"{PR_2377}~1", tmp_path / "parent", "verl")
+    with pytest.raises(BadInput, match="no ppo_loss in verl/workers/utils/losses.py") as exc:
+        resolve(LOSS, TargetConfig(parent))
+    assert "\n" not in str(exc.value)
