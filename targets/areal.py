@@ -388,10 +388,8 @@ def _ranks_on_nccl() -> bool:
 
 
 def _build(variant: str | None, config: TargetConfig) -> ArealTarget:
-    if variant == "loss":  # its module builds on this one
-        from shardcheck.targets.areal_loss import ArealLossTarget
-
-        return ArealLossTarget(config)
+    if variant == "loss":  # its module builds on this one: the registered factory builds it
+        raise BadInput("areal:loss is built by the registered target (shardcheck.targets.frameworks: --target areal:loss)")
     if config.get("entropy_bonus") is not None:
         raise BadInput("option entropy_bonus is areal:loss's (the training step's loss)")
     return ArealTarget(variant, config)

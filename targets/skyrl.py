@@ -351,11 +351,8 @@ LOSS_OPTIONS = ("loss_reduction", "use_kl_loss")
 
 
 def _build(variant: str | None, config: TargetConfig) -> SkyRLTarget:
-    if variant == "loss":
-        from shardcheck.targets.skyrl_loss import SkyRLLossTarget
-
-        _refuse_old_tree(config.src)
-        return SkyRLLossTarget(config)
+    if variant == "loss":  # its module builds on this one: the registered factory builds it
+        raise BadInput("skyrl:loss is built by the registered target (shardcheck.targets.frameworks: --target skyrl:loss)")
     given = [k for k in LOSS_OPTIONS if config.get(k) is not None]
     if given:
         raise BadInput(f"option {given[0]} is skyrl:loss's (the training step's loss)")

@@ -749,10 +749,8 @@ def call_code_under_test(logits, rank):
 
 
 def _build(variant: str | None, config: TargetConfig) -> VerlTarget:
-    if variant == "loss":
-        from shardcheck.targets.verl_loss import build
-
-        return build(config)
+    if variant == "loss":  # its module builds on this one: the registered factory builds it
+        raise BadInput("verl:loss is built by the registered target (shardcheck.targets.frameworks: --target verl:loss)")
     given = [k for k in LOSS_OPTIONS if config.get(k) is not None]
     if given:
         raise BadInput(f"option {given[0]} is verl:loss's (the training step's loss)")

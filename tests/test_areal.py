@@ -21,7 +21,7 @@ import pytest
 from conftest import export_commit, run_on_world
 from shardcheck.errors import BadInput
 from shardcheck.scenarios import Scenario, suites
-from shardcheck.targets import areal
+from shardcheck.targets import areal, frameworks
 from shardcheck.targets.areal import ENV, FRAMEWORK, detect_era
 from shardcheck.targets.areal_data import compile_methods
 from shardcheck.targets.base import TargetConfig
@@ -215,10 +215,10 @@ def test_the_loss_variant_is_refused_where_its_actor_or_option_is_not(tmp_path):
     is one line; entropy_bonus takes none or adapter, and is areal:loss's alone."""
     new = str(_new(tmp_path))
     with pytest.raises(BadInput, match="no grpo_loss_fn in areal/trainer/ppo/actor.py") as info:
-        areal.target("loss", TargetConfig(new))
+        frameworks.areal_target("loss", TargetConfig(new))
     assert "\n" not in str(info.value)
     with pytest.raises(BadInput, match="option entropy_bonus='yes': expected none or adapter"):
-        areal.target("loss", TargetConfig(new, (("entropy_bonus", "yes"),)))
+        frameworks.areal_target("loss", TargetConfig(new, (("entropy_bonus", "yes"),)))
     with pytest.raises(BadInput, match="option entropy_bonus is areal:loss's"):
         areal.target("engine", TargetConfig(new, (("entropy_bonus", "adapter"),)))
 
@@ -448,7 +448,7 @@ def test_the_loss_variant_declares_areals_normalisation_and_what_it_skips(on_glo
     """areal:loss declares the global batch's token mean in AReaL's own names, read from its files
     (the actor's loss_weight_fn, train_batch's total_loss_weight over DP x CP and loss_multiplier
     with len(mb_list)), megatron's two-value form; what it cannot run is skipped, saying why."""
-    target = areal.target("loss", TargetConfig(AREAL_SRC))
+    target = frameworks.areal_target("loss", TargetConfig(AREAL_SRC))
     try:
         assert target.loss_form == "step" and target.calculate_per_token_loss is False
         assert target.definitions.objective == "token_mean"
@@ -471,7 +471,7 @@ def test_the_loss_variant_declares_areals_normalisation_and_what_it_skips(on_glo
         assert "functools.partial(grpo_loss_fn" in described["loss"]["loss_fn"]
     finally:
         target.release()
-    with_terms = areal.target("loss", TargetConfig(AREAL_SRC, tuple(ADAPTER_TERMS.items())))
+    with_terms = frameworks.areal_target("loss", TargetConfig(AREAL_SRC, tuple(ADAPTER_TERMS.items())))
     assert with_terms.capabilities.skip_reason(cells["step-thd-dp2-mb3"]) is None
     assert with_terms.capabilities.skip_reason(cells["step-zigzag-dp2cp2-mb2"]) is None
 

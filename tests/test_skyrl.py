@@ -23,7 +23,8 @@ from shardcheck.scenarios.suites import get_suite
 from shardcheck.targets import skyrl
 from shardcheck.targets.base import OPTS_ENV, TargetConfig
 from shardcheck.targets.checkout import Checkout
-from shardcheck.targets.skyrl import ENV, FRAMEWORK, MODULE, detect_era, target
+from shardcheck.targets.frameworks import skyrl_target as target
+from shardcheck.targets.skyrl import ENV, FRAMEWORK, MODULE, detect_era
 from shardcheck.targets.compiled import with_newer_fields
 from shardcheck.targets.skyrl_data import ALLGATHER_WHY, SkyRLDataPath
 
