@@ -54,7 +54,7 @@ from shardcheck.targets.areal_data import (DATA_FILE, ENGINE_FILE, GLOO_SAFE_DIS
                                            ArealDataPath, ArealEnginePath, engine_facts, packing_facts)
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
                                      layout_description, layout_option)
-from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget, refuse_loss_variant
 from shardcheck.targets.compiled import compile_alone
 from shardcheck.targets.source import Framework, functions_named, parameters
 
@@ -388,10 +388,7 @@ def _ranks_on_nccl() -> bool:
 
 
 def _build(variant: str | None, config: TargetConfig) -> ArealTarget:
-    if variant == "loss":  # its module builds on this one: the registered factory builds it
-        raise BadInput("areal:loss is built by the registered target (shardcheck.targets.frameworks: --target areal:loss)")
-    if config.get("entropy_bonus") is not None:
-        raise BadInput("option entropy_bonus is areal:loss's (the training step's loss)")
+    refuse_loss_variant("areal", variant, config, ("entropy_bonus",))
     return ArealTarget(variant, config)
 
 

@@ -14,7 +14,14 @@ A target whose loss is the one a training step hands megatron-core's schedule se
 micro-batch's ``compute`` gets :class:`PolicyBatch` inputs and :class:`StepInputs`, and returns
 its loss as megatron-core's loss function does (``loss``, and ``num_tokens`` for the per-token
 form); the harness checks the gradient the optimizer sees against the objective the target
-declares (:class:`Definitions` ``objective``).
+declares (:class:`Definitions` ``objective``). Optionally such a target has
+``logged_loss(reported, sizes)``: the loss its framework logs for the step, aggregated by the
+framework's own code from what each micro-batch reported (``RankOutputs.reported``, in order)
+and :class:`StepSizes`; called on every rank once the schedule has run (it may all-reduce),
+its value is checked against the objective's over the global batch (``logged_loss``). None
+where the framework's commit aggregates none. A step target may also have
+``split_batch(scenario)``: per data-parallel replica, the sample indices of its micro-batches as
+its framework splits the global batch (None where its commit has no splitter of its own).
 """
 
 from __future__ import annotations
@@ -182,6 +189,19 @@ class StepInputs:
     def copies(self) -> int:
         """How many copies of the scenario's samples the global batch holds."""
         return self.global_batch_size // max(1, len(self.loss_masks))
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """What a step target's ``logged_loss`` is told of the step once its schedule has run: its
+    sizes, and the group its framework all-reduces what it logs over (megatron-core's
+    data-parallel group with CP)."""
+
+    num_microbatches: int
+    global_batch_size: int
+    dp_size: int
+    cp_size: int
+    dp_cp_group: Any
 
 
 @dataclass
@@ -495,9 +515,26 @@ def loss_form(target: Any) -> str:
     return getattr(target, "loss_form", "weighted")
 
 
+def step_batches(target: Any, scenario: Scenario) -> tuple[list[list[tuple[int, ...]]], str]:
+    """Per data-parallel replica of ``scenario``, the sample indices of its micro-batches, and
+    whose split it is: the target's own ``split_batch(scenario)`` (its framework's splitter)
+    where it has one that answers, else megatron's rules (:mod:`shardcheck.scenarios.batch`).
+    ValueError where the framework's splitter refuses the sizes."""
+    own = getattr(target, "split_batch", None)
+    batches = own(scenario) if own is not None else None
+    if batches is not None:
+        return batches, f"{getattr(target, 'name', 'the target')}'s split_batch"
+    return [scenario.micro_batches(r) for r in range(scenario.dp)], "megatron's rules (scenarios/batch.py)"
+
+
 def step_skip_reason(target: Any, scenario: Scenario) -> str | None:
     """Why ``target`` cannot run ``scenario``'s training step (its loss is not a training
-    step's), or None."""
+    step's, or its framework's splitter refuses the global batch), or None."""
+    if scenario.step and loss_form(target) == "step":
+        try:
+            step_batches(target, scenario)
+        except ValueError as exc:
+            return f"{getattr(target, 'name', 'this target')} cannot split this global batch: {exc}"
     if scenario.step and loss_form(target) != "step":
         count = len(scenario.micro_batches(0))
         return (f"a training step (dp {scenario.dp}, {count} micro-batch{'es' if count > 1 else ''} a replica), and "

@@ -24,8 +24,9 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from shardcheck.targets.base import Definitions, RankInputs, RankOutputs
+from shardcheck.targets.base import Definitions, RankInputs, RankOutputs, StepSizes
 from shardcheck.targets.builtin import BuiltinTarget, share_ranges
 
 
@@ -54,7 +55,34 @@ class BuiltinLoss(BuiltinTarget):
         # empty slice's sum, not 0 * logits.sum(): a NaN in a padding row would make that NaN
         loss = loss + inputs.logits.reshape(-1)[:0].sum()
         return RankOutputs(out.log_probs, out.entropy, loss=loss, num_tokens=num_tokens,
-                           reported={"loss": loss.detach().clone()})
+                           reported=self.report(terms, counts))
+
+    def report(self, terms: list[torch.Tensor], counts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the micro-batch logs, as slime's loss_function does: this rank's part of the
+        objective's sum (each sample's terms over its count, or for the token mean the terms
+        alone) and, for the token mean, the masked-in count it divides by."""
+        zero = torch.zeros((), dtype=torch.float64)
+        if self.per_token:
+            return {"objective_sum": sum((t.detach().double() for t in terms), zero),
+                    "count": sum((c.double() for c in counts), zero)}
+        return {"objective_sum": sum((t.detach().double() / c.clamp_min(1) for t, c in zip(terms, counts)), zero)}
+
+    def logged_loss(self, reported: list[dict[str, torch.Tensor]], sizes: StepSizes) -> torch.Tensor:
+        """The step's loss as it is logged: every micro-batch's parts summed, all-reduced over the
+        data-parallel x CP group, over the global count (which every CP rank counted, hence x cp)
+        or the global batch's samples."""
+        total = self.summed(reported)
+        dist.all_reduce(total, group=sizes.dp_cp_group)
+        return self.logged_value(total, sizes.cp_size, sizes.global_batch_size)
+
+    def summed(self, reported: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([sum(r["objective_sum"] for r in reported),
+                            sum(r.get("count", torch.zeros((), dtype=torch.float64)) for r in reported)])
+
+    def logged_value(self, total: torch.Tensor, cp_size: int, samples: int) -> torch.Tensor:
+        if self.per_token:
+            return total[0] * cp_size / total[1].clamp_min(1)
+        return total[0] / samples
 
     def sample_terms(self, inputs: RankInputs, out: RankOutputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per sample: its masked loss terms on this rank's share, summed, and its masked-in count
@@ -204,6 +232,14 @@ class LossMaskMultiplied(BuiltinLoss):
         return values * mask
 
 
+class LossLoggedUnreduced(BuiltinLoss):
+    """planted: the logged loss is this rank's own (the all-reduce over the data-parallel ranks
+    left out), its replica's mean where the global batch's is logged"""
+
+    def logged_loss(self, reported: list[dict[str, torch.Tensor]], sizes: StepSizes) -> torch.Tensor:
+        return self.logged_value(self.summed(reported), 1, sizes.global_batch_size // sizes.dp_size)
+
+
 LOSSES: dict[str, type[BuiltinLoss]] = {
     "loss": BuiltinLoss,
     "loss_token_mean": BuiltinLossTokenMean,
@@ -215,6 +251,7 @@ LOSSES: dict[str, type[BuiltinLoss]] = {
     "loss_count_per_microbatch": LossCountPerMicrobatch,
     "loss_sample_mean_as_token_mean": LossSampleMeanAsTokenMean,
     "loss_mask_multiplied": LossMaskMultiplied,
+    "loss_logged_unreduced": LossLoggedUnreduced,
 }
 
 

@@ -204,6 +204,18 @@ class CheckoutTarget:
         return {}
 
 
+def refuse_loss_variant(name: str, variant: str | None, config: Any, loss_options: tuple[str, ...]) -> None:
+    """For an adapter whose ``loss`` variant lives in a module that builds on it (the registered
+    factory in :mod:`shardcheck.targets.frameworks` builds that one): refuse ``loss`` and the
+    loss's options, one line each."""
+    if variant == "loss":
+        raise BadInput(f"{name}:loss is built by the registered target (shardcheck.targets.frameworks: "
+                       f"--target {name}:loss)")
+    given = [k for k in loss_options if config.get(k) is not None]
+    if given:
+        raise BadInput(f"option {given[0]} is {name}:loss's (the training step's loss)")
+
+
 class CheckoutFactory:
     """A framework target's registered factory: ``factory(variant, config=...)`` builds the
     target; ``options`` and ``variants`` are what ``shardcheck targets`` lists and what a command

@@ -68,7 +68,7 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig
-from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget, refuse_loss_variant
 from shardcheck.targets.skyrl_data import (ALLGATHER_WHY, BATCH, MEGATRON, MEGATRON_UTILS, PACK,
                                            PREPROCESS, TARGETS, UNPACK, WRAPPER, SkyRLDataPath)
 from shardcheck.targets.source import Framework, parameters
@@ -351,11 +351,7 @@ LOSS_OPTIONS = ("loss_reduction", "use_kl_loss")
 
 
 def _build(variant: str | None, config: TargetConfig) -> SkyRLTarget:
-    if variant == "loss":  # its module builds on this one: the registered factory builds it
-        raise BadInput("skyrl:loss is built by the registered target (shardcheck.targets.frameworks: --target skyrl:loss)")
-    given = [k for k in LOSS_OPTIONS if config.get(k) is not None]
-    if given:
-        raise BadInput(f"option {given[0]} is skyrl:loss's (the training step's loss)")
+    refuse_loss_variant("skyrl", variant, config, LOSS_OPTIONS)
     return SkyRLTarget(variant, config)
 
 

@@ -38,15 +38,19 @@ from typing import Any
 import torch
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, Rollout, TargetConfig,
-                                     layout_description, layout_option)
+from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, Rollout, StepSizes,
+                                     TargetConfig, layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets import slime_schedule
+from shardcheck.targets.compiled import compile_alone
 from shardcheck.targets.passthrough import Recorder
 from shardcheck.targets.slime_data import SlimeDataPath, cpu_accelerator, read_get_batch
 from shardcheck.targets.source import Framework, functions_named
 
 LOSS_MODULE = "slime.backends.megatron_utils.loss"
 LOSS_FILE = Path("slime/backends/megatron_utils/loss.py")
+# where train_one_step's aggregation of the logged metrics lives, since slime took it out of the loop
+METRICS_FILE = Path("slime/observability/train_metric_utils.py")
 STUBBABLE = ("httpx", "ray", "sglang", "wandb", "tensorboard", "transformers", "datasets", "deep_ep",
              "torch_memory_saver", "yaml", "sglang_router", "pydantic", "pandas", "megatron", "tqdm", "triton")
 
@@ -373,6 +377,7 @@ class SlimeLossTarget(SlimePolicyLossTarget):
 
     name = "slime:loss"
     loss_form = "step"
+    framework_files = SlimePolicyLossTarget.framework_files + (str(METRICS_FILE), str(slime_schedule.SCHEDULE_FILE))
     # the loss the framework's training step differentiates (the model's CP collective runs in
     # its backward: harness/rank/model_stand_in.py)
     training_loss = True
@@ -380,6 +385,7 @@ class SlimeLossTarget(SlimePolicyLossTarget):
     def __init__(self, src: str | None = None, layout: str = "framework", per_token: bool = False) -> None:
         super().__init__(src, layout)
         self.per_token = per_token  # slime's --calculate-per-token-loss
+        self._schedule: tuple[Any] | None = None  # (build_dp_schedule or None), read once
         self.capabilities = dataclasses.replace(self.capabilities, replay_keep=False)
         self.compatibility: set[str] = set()  # what was handed on otherwise than it came, and why
 
@@ -391,7 +397,9 @@ class SlimeLossTarget(SlimePolicyLossTarget):
                            token_floor=1 if self.per_token else 0)
 
     def description(self) -> dict[str, Any]:
-        return {**super().description(), "calculate_per_token_loss": self.per_token,
+        split = slime_schedule.SOURCE if (self.src / slime_schedule.SCHEDULE_FILE).is_file() else (
+            "megatron's rules (no build_dp_schedule at this commit)")
+        return {**super().description(), "calculate_per_token_loss": self.per_token, "batch_split": split,
                 **({"compatibility": sorted(self.compatibility)} if self.compatibility else {})}
 
     def args(self, inputs: RankInputs) -> _Args:
@@ -422,6 +430,30 @@ class SlimeLossTarget(SlimePolicyLossTarget):
             normalizer = torch.tensor(normalizer)
             self.compatibility.add(INT_NORMALIZER)
         return loss, list(log.get("keys", [])), normalizer, log
+
+    def split_batch(self, scenario: Any) -> list[list[tuple[int, ...]]] | None:
+        """The step's global batch split as slime splits it (its build_dp_schedule), or None at a
+        commit that splits otherwise (before #1926)."""
+        if self._schedule is None:
+            self._schedule = (slime_schedule.build_dp_schedule(self.src),)
+        build = self._schedule[0]
+        if build is None:
+            return None
+        return slime_schedule.split(build, [s.total for s in scenario.samples], scenario.dp, scenario.cp,
+                                    scenario.micro_batch_size, scenario.micro_batch_tokens)
+
+    def logged_loss(self, reported: list[dict[str, Any]], sizes: StepSizes) -> Any:
+        """The "loss" slime's train_one_step logs: its own reduce_train_step_metrics (compiled
+        alone from its file) on what each micro-batch's loss_function returned, called as
+        train_one_step calls it. None at a commit that aggregates inline in train_one_step."""
+        path = self.src / METRICS_FILE
+        if not path.is_file():
+            return None
+        reduce = compile_alone(path, ["reduce_train_step_metrics"], {"dist": torch.distributed})
+        logged = reduce["reduce_train_step_metrics"](
+            reported, calculate_per_token_loss=self.per_token, step_global_batch_size=sizes.global_batch_size,
+            cp_size=sizes.cp_size, dp_with_cp_group=sizes.dp_cp_group)
+        return logged.get("loss")
 
 
 INT_NORMALIZER = ("loss_function returned its normaliser as the int 1 (slime of its day); handed to megatron-core "

@@ -77,7 +77,7 @@ from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import (Capabilities, RankInputs, RankOutputs, TargetConfig, layout_description,
                                      layout_option)
-from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget, refuse_loss_variant
 from shardcheck.targets.source import Framework, functions_named, parameters
 from shardcheck.targets.verl_data import data_path_for
 
@@ -749,11 +749,7 @@ def call_code_under_test(logits, rank):
 
 
 def _build(variant: str | None, config: TargetConfig) -> VerlTarget:
-    if variant == "loss":  # its module builds on this one: the registered factory builds it
-        raise BadInput("verl:loss is built by the registered target (shardcheck.targets.frameworks: --target verl:loss)")
-    given = [k for k in LOSS_OPTIONS if config.get(k) is not None]
-    if given:
-        raise BadInput(f"option {given[0]} is verl:loss's (the training step's loss)")
+    refuse_loss_variant("verl", variant, config, LOSS_OPTIONS)
     if variant is None:
         if config.get("call_site") is not None:
             raise BadInput("target 'verl': option call_site applies to verl:actor only")

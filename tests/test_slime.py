@@ -350,6 +350,33 @@ def test_slimes_loss_function_passes_the_training_step_in_both_reductions(tmp_pa
     assert len(ran) >= 7, [(v["name"], v["verdict"], v.get("reason")) for v in doc["scenarios"]]
     objective = doc["target"]["definitions"]["objective"]
     assert f"calculate_per_token_loss={per_token}" in objective, objective
+    # and the loss train_one_step logs (its reduce_train_step_metrics) is the objective's value
+    step = doc["target"]["training_step"]
+    assert step["logged_loss"].startswith("compared"), step
+    # the global batch split by slime's own build_dp_schedule
+    assert step["split"] == "slime:loss's split_batch", step
+    assert doc["target"]["batch_split"].startswith("build_dp_schedule"), doc["target"]
+
+
+@needs_slime
+def test_slime_splits_the_steps_global_batch_with_its_own_build_dp_schedule():
+    """slime packs the whole step first (first fit, bins of max_tokens_per_gpu x cp tokens), then
+    deals the bins out round-robin: at a budget of 30, lengths 23 10 17 30 5 8 make the bins
+    [0 4] [1 2] [3] [5], so replica 0 runs [0 4] then [3] (megatron's rule would give it 0 1 2).
+    A budget slime cannot hand over (not a multiple of cp) skips the scenario, saying why."""
+    from shardcheck.scenarios import Sample
+    from shardcheck.targets.base import step_batches, step_skip_reason
+    from shardcheck.targets.slime import SlimeLossTarget
+
+    target = SlimeLossTarget(SLIME_SRC)
+    sc = Scenario("split", [Sample(t, 4) for t in (23, 10, 17, 30, 5, 8)], vocab=16, dp=2, micro_batch_tokens=30)
+    assert step_batches(target, sc) == ([[(0, 4), (3,)], [(1, 2), (5,)]], "slime:loss's split_batch")
+    assert sc.micro_batches(0) != [(0, 4), (3,)]
+    odd = Scenario("odd", [Sample(t, 4) for t in (23, 10, 17, 30)], vocab=16, dp=2, cp=2, layout="zigzag",
+                   micro_batch_tokens=61)
+    assert step_skip_reason(target, odd) == ("slime:loss cannot split this global batch: slime's token budget is "
+                                             "--max-tokens-per-gpu x cp: micro_batch_tokens 61 is not a multiple of "
+                                             "cp 2")
 
 
 @needs_slime
@@ -404,6 +431,8 @@ def test_coverage_of_slimes_loss_names_the_entry_point_the_schedule_and_ddp(tmp_
     files = json.loads(report.read_text())["coverage"]["files"]
     ran = {name for f in files.values() for name in f["functions"]}
     for name in ("slime/backends/megatron_utils/loss.py:loss_function",
+                 "slime/observability/train_metric_utils.py:reduce_train_step_metrics",
+                 "slime/utils/dp_schedule.py:build_dp_schedule",
                  "megatron-core/megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
                  "megatron-core/megatron/core/distributed/finalize_model_grads.py:finalize_model_grads",
                  "megatron-core/megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBucketGroup."

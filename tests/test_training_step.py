@@ -132,7 +132,19 @@ def test_the_builtins_loss_passes_the_training_suite(world, target):
     assert result.exit_code == 0, [v.headline() for v in result.verdicts if v.status != "pass"]
     described = result.info.target
     assert described["training_step"]["schedule"].endswith("forward_backward_no_pipelining")
+    assert described["training_step"]["logged_loss"] == "compared with the objective's value over the global batch"
     assert "objective" in described["definitions"]
+
+
+@pytest.mark.world
+def test_a_logged_loss_that_is_not_all_reduced_over_the_replicas_is_caught(world):
+    """The loss a framework logs is checked against the objective's value over the global batch:
+    one that logs its own replica's mean (the all-reduce left out) is a value_mismatch of
+    logged_loss, and its gradient, a separate path, still passes."""
+    [v] = _run(world, "builtin:loss_logged_unreduced", _training("step-thd-dp2-mb3")).verdicts
+    assert v.status == "fail" and v.kinds == ["value_mismatch"], v.headline()
+    assert {f.field for f in v.failures} == {"logged_loss"}, [f.message for f in v.failures]
+    assert v.failures[0].message.startswith("logged_loss: got "), v.failures[0].message
 
 
 @pytest.mark.world

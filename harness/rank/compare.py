@@ -192,22 +192,23 @@ def _structure_problem(
 
 def compare_loss(
     layout: RankLayout, data: ScenarioData, loss: object, rank: int, device: torch.device | None = None,
-    entropy_sign: int = 1,
+    entropy_sign: int = 1, field: str = "loss",
 ) -> tuple[list[Failure], dict[str, float]]:
-    """Check a target's own scalar loss on this rank against the loss of the truth on its share.
+    """Check a target's own scalar loss on this rank against the loss of the truth on its share
+    (``field``: "logged_loss" for a training step's logged value, the share the whole batch).
 
     The tolerance scales with the total weight, since the loss sums one term per token.
     """
     sc = layout.scenario
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        return [Failure(VALUE_MISMATCH, f"loss is {shape}, expected a scalar tensor", [rank], field="loss")], {}
+        return [Failure(VALUE_MISMATCH, f"{field} is {shape}, expected a scalar tensor", [rank], field=field)], {}
     ref_lp, ref_ent = shard.share_truth(data, layout, device)
     w_lp = torch.cat([w for w, _ in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
     w_ent = torch.cat([w for _, w in shard.share_weights(data, layout)] or [torch.zeros(0)]).double()
     w_ent = w_ent * sc.entropy_coef * entropy_sign
     # A policy loss at ratio exp(logp - old) = 1 has the gradient of w_lp * logp but the value w_lp.
-    lp_term = torch.ones_like(ref_lp) if data.loss == "policy" else ref_lp
+    lp_term = torch.ones_like(ref_lp) if data.loss in ("policy", "step") else ref_lp
     want = float((w_lp * lp_term).sum() - (w_ent * ref_ent).sum())
     got = float(loss.detach().double().cpu().reshape(()))
     tol = TOLERANCES[sc.dtype]["values"]
@@ -215,9 +216,9 @@ def compare_loss(
     error = abs(got - want)
     if not error <= tol.atol * scale + tol.rtol * abs(want):  # NaN fails
         g, w, gap = apart(got, want, loss.dtype)
-        return [Failure(VALUE_MISMATCH, f"loss: got {g}, want {w}{gap}", [rank], field="loss",
-                        got=got, want=want)], {"loss": error}
-    return [], {"loss": error}
+        return [Failure(VALUE_MISMATCH, f"{field}: got {g}, want {w}{gap}", [rank], field=field,
+                        got=got, want=want)], {field: error}
+    return [], {field: error}
 
 
 def compare_grad(
@@ -307,6 +308,9 @@ class ReferenceComparison(Check):
         if failures:
             failures.insert(0, step_scale_failure(life, torch.cat(wanted)))
         life.add((failures, {"step_grad": worst["grad"]}))
+        if life.logged_loss is not None:
+            life.add(compare_loss(life.layout, life.data, torch.as_tensor(life.logged_loss), life.rank,
+                                  life.reference_device, life.definitions.entropy_sign, field="logged_loss"))
 
 
 def step_scale_failure(life: Life, want: torch.Tensor) -> Failure:

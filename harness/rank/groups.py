@@ -135,6 +135,11 @@ def cp_group() -> Any:
     return _ps().get_context_parallel_group()
 
 
+def dp_cp_group() -> Any:
+    """The data-parallel group with CP: what DDP averages the gradient over."""
+    return _ps().get_data_parallel_group(with_context_parallel=True)
+
+
 def tp_rank() -> int:
     return _ps().get_tensor_model_parallel_rank()
 

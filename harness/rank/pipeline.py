@@ -16,7 +16,8 @@ lives each micro-batch up to ``after_forward`` (megatron-core's schedule runs th
 the step as a whole reaches one point of its own:
 
 - ``after_step``: the gradient the optimizer sees is there (``life.grad``, the stand-in model's
-  ``main_grad`` after DDP; ``life.layout`` its rows, ``life.data`` the global batch).
+  ``main_grad`` after DDP; ``life.layout`` its rows, ``life.data`` the global batch;
+  ``life.logged_loss`` the loss the framework logs, where its target aggregates one).
 
 A check is a :class:`Check` in a module of its own that implements the points it needs and adds
 what it finds to ``life.found`` (``life.errors`` for the worst error per field); the rank's
@@ -75,6 +76,7 @@ class Life:
     produced: dict[str, Any] | None = None
     stopped: bool = False
     step: dict[str, Any] | None = None  # the training step's sizes (micro_batches, dp_size, cp_size, tp_size)
+    logged_loss: Any = None  # the loss the framework logs for the step, where its target aggregates one
 
     def stop(self) -> None:
         """Nothing more can be read or differentiated: the later points are not reached."""

@@ -228,6 +228,7 @@ class Ran:
     outputs: list[Any]
     losses: list[Any]
     grad: torch.Tensor
+    reported: list[Any] = dataclasses.field(default_factory=list)  # megatron-core's forward_data_store
 
 
 POISONABLE = ("logits", "advantages", "old_log_probs")
@@ -240,14 +241,15 @@ def run_step(runner: Any, sc: Any, target: Any, frame: Any, pipeline: Any) -> di
     from shardcheck.harness.rank.data_path import layout_for, layout_payload
     from shardcheck.harness.rank.pipeline import Life
     from shardcheck.scenarios.data import ScenarioData
-    from shardcheck.targets.base import definitions
+    from shardcheck.targets.base import definitions, step_batches
 
     defined = definitions(target)
     objective = defined.objective or "sample_mean"
     tp_rank, cp_rank = groups.tp_rank(), groups.cp_rank()
     dp_size, dp_rank = groups.dp_size(), groups.dp_rank()
     data = ScenarioData(sc, loss="step", objective=objective, token_floor=defined.token_floor)
-    batches = sc.micro_batches(dp_rank % sc.dp)
+    split, split_by = step_batches(target, sc)
+    batches = split[dp_rank % sc.dp]
     columns = (tp_rank * sc.vocab // sc.tp, (tp_rank + 1) * sc.vocab // sc.tp)
     offsets = row_offsets(sc)
     micro: list[MicroBatch] = []
@@ -270,10 +272,39 @@ def run_step(runner: Any, sc: Any, target: Any, frame: Any, pipeline: Any) -> di
                 owed_entropy=layout, found=frame.found, errors=frame.errors)
     life.grad = clean.grad
     life.step = {"micro_batches": len(micro), "dp_size": dp_size, "cp_size": sc.cp, "tp_size": sc.tp}
+    life.logged_loss, logged_by = logged_loss(step, clean)
     pipeline.call("after_step", life)
     if frame.checks.mask_leak:
         frame.found += mask_leaks(step, clean)
-    return {"schedule": SCHEDULE, "gradient_reduction": REDUCTION, "cpu_world": step.notes}
+    return {"schedule": SCHEDULE, "gradient_reduction": REDUCTION, "cpu_world": step.notes, "split": split_by,
+            "logged_loss": logged_by}
+
+
+def logged_loss(step: Step, ran: Ran) -> tuple[Any, str]:
+    """The loss the framework logs for the step, aggregated by the target's ``logged_loss`` (the
+    framework's own code) from what each micro-batch reported, and what the report says of it.
+    Every rank asks the target or none does: its aggregation is collective (an all-reduce over
+    the data-parallel x CP group), and a rank whose micro-batch reported nothing (its failure is
+    reported already) would leave the others waiting."""
+    import torch.distributed as dist
+
+    from shardcheck.harness.rank import groups, trace
+    from shardcheck.targets.base import StepSizes
+
+    aggregate = getattr(step.target, "logged_loss", None)
+    if aggregate is None:
+        return None, f"not compared: {getattr(step.target, 'name', 'the target')} has no logged_loss"
+    whole = len(ran.reported) == len(step.micro) and all(isinstance(r, dict) and r for r in ran.reported)
+    every = torch.tensor([1 if whole else 0], device=step.runner.device or "cpu")
+    dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    if not int(every):
+        return None, "not compared: a micro-batch on some rank reported nothing (its failure is reported)"
+    with trace.labelled("logged loss"):
+        view = StepSizes(len(step.micro), step.global_batch, step.dp_size, step.scenario.cp, groups.dp_cp_group())
+        value = aggregate(ran.reported, view)
+    if value is None:
+        return None, f"not compared: {getattr(step.target, 'name', 'the target')}'s commit has no aggregation of it"
+    return value, "compared with the objective's value over the global batch"
 
 
 def per_token_loss(target: Any, defined: Any) -> bool:
@@ -358,10 +389,10 @@ def _run(step: Step, pipeline: Any, poison: tuple[str, ...] = ()) -> Ran:
     with _schedule_counter_on_cpu(step.notes), warnings.catch_warnings():
         # megatron-core's notice as it imports its norms lazily: the harness's import, not the target's
         warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(step.micro), model=[model],
-                                    num_microbatches=len(step.micro), seq_length=0, micro_batch_size=0,
-                                    forward_only=False)
-    return Ran(outputs, losses, module.table.main_grad.detach().clone())
+        reported = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(step.micro),
+                                               model=[model], num_microbatches=len(step.micro), seq_length=0,
+                                               micro_batch_size=0, forward_only=False)
+    return Ran(outputs, losses, module.table.main_grad.detach().clone(), list(reported or []))
 
 
 # -- the mask-leak check ---------------------------------------------------------------------------
