@@ -156,11 +156,15 @@ LAYOUT_MISMATCH = "layout_mismatch"
 MASK_LEAK = "mask_leak"
 # a deadline the machine missed: the rank waited for a CPU through much of it (not the target's)
 TIMEOUT = "timeout"
+# the harness's own part failed on a rank (a check's hook raised, a plugin's check included; the
+# target's adapter refused the checkout it was given): never the target's; the verdict is "error"
+HARNESS_ERROR = "harness_error"
 KINDS = (VALUE_MISMATCH, GRAD_MISMATCH, RANK_ERROR, COLLECTIVE_MISMATCH, INPUT_MUTATED, INVARIANCE_VIOLATION,
-         LAYOUT_MISMATCH, MASK_LEAK, TIMEOUT)
-# The kinds that name where a run stopped (a rank raised, died or hung; ranks diverged): listed
-# first in a verdict, with where each rank runs. Any other kind, a check's own, is rendered alike.
-ROOT_CAUSES = (RANK_ERROR, COLLECTIVE_MISMATCH, TIMEOUT)
+         LAYOUT_MISMATCH, MASK_LEAK, TIMEOUT, HARNESS_ERROR)
+# The kinds that name where a run stopped (a rank raised, died or hung; ranks diverged; the
+# harness failed): listed first in a verdict, with where each rank runs. Any other kind, a check's
+# own, is rendered alike.
+ROOT_CAUSES = (HARNESS_ERROR, RANK_ERROR, COLLECTIVE_MISMATCH, TIMEOUT)
 # A failure's detail saying that running the scenario again with Checks.explain would name its
 # call site (the write watch, the forward stack of a backward call): the controller does so.
 EXPLAIN = "explain"

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from shardcheck import preflight
 from shardcheck.errors import BadInput, ShardcheckError
 from shardcheck.harness.backend import BACKENDS
 from shardcheck.targets.source import export_sources, source_env, source_flag, source_names
@@ -288,6 +289,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if extra:  # argparse would blame the top-level parser; name the command's help
             where = f"shardcheck {args.command} --help" if args.command else "shardcheck --help"
             raise BadInput(f"unrecognized arguments: {' '.join(extra)} (see {where})")
+        preflight.check(args)
         if args.command == "run":
             return _run(args)
         if args.command == "fuzz":
@@ -524,7 +526,8 @@ def _writable(path: str) -> None:
 
 def _fuzz(args: argparse.Namespace) -> int:
     from shardcheck.harness.controller import fuzz
-    from shardcheck.harness.controller.fuzz_report import Progress, header, repro_offer, summary, write_minimal
+    from shardcheck.harness.controller.fuzz_report import (Progress, header, repro_offer, summary, write_minimal,
+                                                           write_unshrunk)
 
     _check_world_options(args)
     _use_target_config(args)
@@ -550,7 +553,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt as exc:
         progress.close()
-        found = "; a failure was seen but not shrunk, nothing written" if progress.failed else ""
+        found = write_unshrunk(progress, out, args.target, _target_args(args))
         how = "terminated" if isinstance(exc, Terminated) else "interrupted"
         print(f"shardcheck: {how} after {progress.runs} scenarios{found}", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
@@ -632,7 +635,7 @@ def _repro(args: argparse.Namespace) -> int:
         layouts = _layouts_of_a_run(spec, sc)
     repro.write(out, repro.script_text(spec, target, sc, failed.failure, os.path.basename(out),
                                        failed.inplace and not args.no_inplace, layouts))
-    print(f"wrote {out}: python {out}  (exit 1: found, 0: not found)")
+    print(f"wrote {out}: python {out}  (exit 1: found, 0: not found, 3: gave up, the machine too slow)")
     return EXIT_OK
 
 

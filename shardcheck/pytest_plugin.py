@@ -106,13 +106,16 @@ class ShardcheckSession:
     def check(self, scenario: Any, target: str | None = None) -> Any:
         """Run the scenario; fail the test with its findings, skip it with the reason."""
         from shardcheck.harness.controller.report import render_failure
-        from shardcheck.harness.controller.verdict import FAIL, SKIP, TIMED_OUT
+        from shardcheck.harness.controller.verdict import ERROR, FAIL, SKIP, TIMED_OUT
 
         verdict = self.run(scenario, target)
         if verdict.status == SKIP:
             pytest.skip(verdict.reason or "outside the target's capabilities")
         if verdict.status == TIMED_OUT:  # the machine's, not the target's: nothing was found either way
             pytest.skip(f"timed out, the machine was too slow: {verdict.headline()}")
+        if verdict.status == ERROR:  # shardcheck's own part failed (a plugin's check): no finding either way
+            pytest.fail(f"shardcheck's own error, not a finding of the target: {verdict.headline()}\n"
+                        f"{render_failure(verdict)}", pytrace=False)
         if verdict.status == FAIL:
             # first line: the kind and where, which junit shows as the failure message
             pytest.fail(f"{verdict.headline()}\n{render_failure(verdict)}", pytrace=False)

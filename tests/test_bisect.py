@@ -224,6 +224,10 @@ def test_bisect_bad_input(history, cli_in_process):
     proc = cli_in_process("bisect", "--slime-repo", str(repo), "--target", "verl", "--good", commits["c1"],
                           "--bad", commits["c5"])
     assert proc.returncode == 2 and "names a slime repository, but --target is 'verl'" in proc.stderr
+    # good and bad one commit (a hash and a name of it): said at once, no suite run at either
+    proc = cli_in_process("bisect", "--slime-repo", str(repo), "--good", commits["c3"], "--bad", commits["c3"][:10])
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("there is no change to find"), proc.stderr
+    assert "shardcheck bisect:" not in proc.stderr
 
 
 # -- end to end: the one real bisect, a world per commit ---------------------------------------------

@@ -66,3 +66,22 @@ def test_a_new_kind_is_found_by_its_own_module_and_rendered_by_every_report(tmp_
     monkeypatch.delenv(EXTRA_ENV)
     without = run_on_world(world, scenarios[:1], "toy_check:RaisedLogProbs", tmp_path / "w.json", "smoke")
     assert "positive_log_prob" not in without.report["scenarios"][0]["kinds"]
+
+
+@pytest.mark.world
+def test_a_check_that_raises_is_the_harnesss_error_never_the_targets(tmp_path, world, monkeypatch):
+    """A plugin's check whose hook raises was filed as the target's rank_error (exit 1, a repro
+    offered). It is an `error` verdict of kind harness_error naming the check and the point, exit
+    2, no repro line; what the other checks found before it is kept."""
+    monkeypatch.setenv(EXTRA_ENV, "toy_check:BrokenCheck")
+    scenarios = [s for s in get_suite("smoke") if s.name == "thd-tp2cp1-basic"]
+    run = run_on_world(world, scenarios, "toy_check:RaisedLogProbs", tmp_path / "e.json", "smoke", repro="x {scenario}")
+    assert run.exit_code == 2, run.stdout
+    [v] = run.report["scenarios"]
+    assert v["verdict"] == "error" and v["kinds"][0] == "harness_error", v["kinds"]
+    head = v["failures"][0]["message"]
+    assert head.startswith("the check toy_check:BrokenCheck raised at after_forward: KeyError: "), head
+    assert head.endswith("(a check's failure, not the target's)"), head
+    assert "value_mismatch" in v["kinds"], v["kinds"]  # the reference's comparison ran before it
+    assert "ERROR (shardcheck's own, not the target's) thd-tp2cp1-basic" in run.stdout
+    assert "as a script needing only torch" not in run.stdout and "1 error (shardcheck's own" in run.stdout

@@ -42,15 +42,13 @@ def test_suites_and_targets_listings(cli_in_process):
         assert f"builtin:{name} " in proc.stdout
 
 
-def test_console_script_and_module_agree():
-    """The real entry points, as processes: the console script and ``python -m shardcheck``."""
+def test_console_script_and_module_agree(cli_in_process):
+    """The real entry points, as processes: the console script says what ``main`` says, and one
+    bad input through ``python -m shardcheck`` itself is one line and its exit status, as a shell
+    sees them."""
     exe = __import__("shutil").which("shardcheck") or str(__import__("pathlib").Path(sys.executable).parent / "shardcheck")
     proc = subprocess.run([exe, "suites"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout == run_cli("suites").stdout
-
-
-def test_a_bad_option_through_the_real_entry_point_is_one_line():
-    """One bad input through ``python -m shardcheck`` itself: exit status and stderr as a shell sees them."""
+    assert proc.returncode == 0 and proc.stdout == cli_in_process("suites").stdout
     _one_line_error(run_cli("frobnicate"), "invalid choice")
 
 

@@ -265,6 +265,9 @@ def test_values_that_differ_by_one_ulp_read_differently_and_say_how_far_apart():
     assert (a, gap) == ("1", " (1 ulp of bfloat16)") and torch.tensor(float(b)).bfloat16().item() == 1.0078125
     # the same number with another sign bit, and NaNs that differ only in their payload
     assert apart(torch.tensor(0.0), torch.tensor(-0.0), torch.float32)[2] == " (the same number, the sign bit differs)"
+    # a float16 entropy against the float64 reference: equal once rounded is not a sign bit (said so before)
+    gap = apart(torch.tensor(0.5, dtype=torch.float16), 0.500011, torch.float16)[2]
+    assert gap == " (one value once rounded to float16: they differ below its precision)", gap
     nans = torch.tensor([0x7FC00000, 0x7FC00001], dtype=torch.int32).view(torch.float32)
     assert apart(nans[0], nans[1], torch.float32)[:2] == ("nan (bits 0x7fc00000)", "nan (bits 0x7fc00001)")
 

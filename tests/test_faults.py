@@ -360,6 +360,27 @@ def test_hidden_and_reordering_characters_in_names_are_shown_escaped(tmp_path, c
     assert "\u202e" not in table and "x\\u202egnp.exe" in table
 
 
+def test_a_newline_in_a_name_is_escaped_in_the_table_the_progress_line_and_the_failure():
+    """A name holding a newline split the table row and the progress line in two; it is shown as
+    one line, the newline (and a tab) escaped, everywhere the terminal prints it."""
+    import io
+
+    from shardcheck.harness.controller.report import TerminalReport, render_failure, render_table
+    from shardcheck.harness.controller.verdict import FAIL, SKIP, Verdict
+
+    sc = Scenario("two\nlines\tand a tab", (Sample(6, 2),), vocab=8)
+    shown = "two\\nlines\\tand a tab"
+    info = runner.RunInfo({}, "builtin", 1, "gloo", "", True)
+    table = render_table([Verdict(sc, SKIP, reason="r")], info)
+    assert table.splitlines()[2].startswith(shown + "  "), table
+    err = io.StringIO()
+    progress = TerminalReport(out=io.StringIO(), err=err)
+    progress.start(info, [sc])
+    progress.add(Verdict(sc, SKIP, reason="r"))
+    assert err.getvalue().splitlines()[-1].endswith(f"skip {shown}"), err.getvalue()
+    assert render_failure(Verdict(sc, FAIL)).splitlines()[0].startswith(f"FAILED {shown}  (")
+
+
 # -- large scenario files: said while read, counted in the summary, memory of the scenarios only -----
 def test_a_large_scenario_file_is_said_while_it_is_read(tmp_path, cli_in_process, monkeypatch):
     """Reading and validating 509,018 scenarios took 37 s of silence; now a line comes every

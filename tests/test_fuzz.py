@@ -248,3 +248,28 @@ def test_a_found_failure_is_tried_first_next_time(world2, tmp_path):
     assert first.failure is not None and _planted(first.failure.scenario)
     second = fuzz.fuzz(MUTANT, max_examples=60, seed=1, layouts=["zigzag"], world=world2, database=db)
     assert second.searched == 1 and second.failure.scenario.key == first.failure.scenario.key
+
+
+def test_an_interrupted_search_writes_the_failure_it_saw_unshrunk_and_says_so(tmp_path):
+    """A fuzz run stopped after a failure used to write nothing; the latest failing scenario it saw
+    (the smallest so far, once shrinking) is written where --out says, with the command to rerun it."""
+    import io
+
+    from shardcheck.harness.controller.fuzz import Event
+    from shardcheck.harness.controller.fuzz_report import Progress, write_unshrunk
+    from shardcheck.harness.controller.verdict import Verdict
+    from shardcheck.scenarios import Sample, Scenario
+    from shardcheck.scenarios.suites import load_scenario_file
+
+    big = Scenario("big", (Sample(40, 9), Sample(30, 5)), vocab=32, cp=2, layout="zigzag")
+    small = Scenario("small", (Sample(12, 3),), vocab=32, cp=2, layout="zigzag")
+    out = tmp_path / "f.json"
+    progress = Progress(err=io.StringIO(), quiet=True)
+    assert write_unshrunk(progress, str(out), "builtin") == "" and not out.exists()
+    progress(Event(1, False, Verdict(big, "fail"), 1.0))
+    said = write_unshrunk(progress, str(out), "builtin")
+    assert said.startswith(f"; the failing scenario seen last (not shrunk) is in {out}: shardcheck run "), said
+    progress(Event(2, True, Verdict(small, "fail"), 2.0))
+    progress(Event(3, True, Verdict(Scenario("passes", (Sample(8, 2),), vocab=32), "pass"), 3.0))
+    assert "(partly shrunk)" in write_unshrunk(progress, str(out), "builtin")
+    assert [sc.samples for sc in load_scenario_file(out)] == [small.samples]

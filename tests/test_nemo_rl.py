@@ -199,10 +199,10 @@ def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["missing", "empty"])
-def test_cli_without_a_checkout_is_one_line_exit_2(tmp_path, monkeypatch, where):
+def test_cli_without_a_checkout_is_one_line_exit_2(tmp_path, monkeypatch, where, cli_in_process):
     monkeypatch.delenv(ENV, raising=False)
     path = tmp_path / "x" if where == "missing" else tmp_path
-    proc = run_cli("run", "--target", "nemo_rl", "--nemo-rl-src", str(path), cwd=str(tmp_path))
+    proc = cli_in_process("run", "--target", "nemo_rl", "--nemo-rl-src", str(path))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     want = "is not a directory" if where == "missing" else "is not a NeMo-RL checkout"
     assert proc.stderr.strip().count("\n") == 0 and want in proc.stderr
@@ -514,18 +514,20 @@ def test_the_workers_lines_between_its_loss_and_backward_are_read_from_its_file(
         "loss = loss / num_microbatches", "loss *= self.dp_size"]
 
 
-def test_nemo_rl_loss_refuses_a_commit_with_neither_of_its_training_steps_and_options_not_its_own(tmp_path):
+def test_nemo_rl_loss_refuses_a_commit_with_neither_of_its_training_steps_and_options_not_its_own(tmp_path,
+                                                                                                 cli_in_process):
     src = _fake_checkout(tmp_path / "new", NEW, {"nemo_rl/algorithms/loss/loss_functions.py": """
         class ClippedPGLossFn:
             def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
                 pass
         """})
-    made = run_cli("run", "--target", "nemo_rl:loss", "--target-src", str(src), "--suite", "training")
+    made = cli_in_process("run", "--target", "nemo_rl:loss", "--target-src", str(src), "--suite", "training")
     assert made.returncode == 2 and made.stderr.count("\n") == 1, made.stderr
     assert "DTensor-worker era" in made.stderr and "nor a Megatron LossPostProcessor" in made.stderr, made.stderr
     for spec, opt, said in (("nemo_rl:loss", "cp_on_cpu=true", "takes no option 'cp_on_cpu'"),
                             ("nemo_rl", "token_level_loss=false", "token_level_loss is nemo_rl:loss's")):
-        made = run_cli("run", "--target", spec, "--target-src", str(src), "--target-opt", opt, "--suite", "training")
+        made = cli_in_process("run", "--target", spec, "--target-src", str(src), "--target-opt", opt, "--suite",
+                              "training")
         assert made.returncode == 2 and said in made.stderr and made.stderr.count("\n") == 1, made.stderr
 
 

@@ -197,3 +197,44 @@ def test_a_script_too_long_to_read_is_refused_with_the_count(tmp_path, cli_in_pr
     proc = cli_in_process("repro", "--target", "builtin", "--scenario-file", "s.json", "--scenario", "wide")
     assert proc.returncode == 2 and "lines; a script stays under 300 (it holds a line of data a rank: tp * cp = 64)" in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
+
+
+def test_the_scripts_deadline_follows_progress(monkeypatch):
+    """The script's watch of its ranks: a rank that makes no progress (a sleep, as a rank waiting
+    on a collective that never comes) is hung after TIMEOUT_S; one still using CPU is moving, not
+    hung, however long it takes, up to GIVE_UP_S, after which it is given up on (exit 3, never
+    "FOUND": at load 12 to 19 a fixed 15 s deadline said FOUND for correct code)."""
+    import multiprocessing
+    import time
+
+    from shardcheck.harness.controller import repro_script
+
+    monkeypatch.setattr(repro_script, "TIMEOUT_S", 0.6)
+    monkeypatch.setattr(repro_script, "GIVE_UP_S", 30.0)
+    ctx = multiprocessing.get_context("fork")
+
+    procs = []
+
+    def started(target):
+        procs.append(ctx.Process(target=target, daemon=True))
+        procs[-1].start()
+        return procs[-1]
+
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    waiting, working = started(lambda: time.sleep(60)), started(lambda: spin(1.5))
+    try:
+        t0 = time.monotonic()
+        assert repro_script.watch([working], "/nonexistent") == ([], [])  # 1.5 s of work, past TIMEOUT_S
+        assert time.monotonic() - t0 >= 1.0
+        assert repro_script.watch([waiting], "/nonexistent") == ([0], [])
+        monkeypatch.setattr(repro_script, "GIVE_UP_S", 0.5)
+        looping = started(lambda: spin(60))
+        assert repro_script.watch([looping], "/nonexistent") == ([], [0])
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()

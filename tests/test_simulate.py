@@ -86,6 +86,8 @@ def test_the_search_finds_shrinks_and_replays_on_a_real_world(tmp_path):
     assert "values are not checked" in proc.stdout
     assert "replayed on a real world of" in proc.stdout and "the same kind as simulated" in proc.stdout, proc.stdout
     assert json.loads(out.read_text())["layout"] == "allgather"
+    # hypothesis' own files go under .shardcheck/, beside its example database, not into the folder run in
+    assert not (tmp_path / ".hypothesis").exists() and (tmp_path / ".shardcheck" / "hypothesis-home").is_dir()
 
 
 def test_the_search_finds_nothing_in_builtin(fake):

@@ -206,8 +206,8 @@ def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
         detect_era(tmp_path)
 
 
-def test_cli_with_a_directory_that_is_not_verl_is_one_line_exit_2(tmp_path):
-    proc = run_cli("run", "--target", "verl", "--verl-src", str(tmp_path), timeout=120, cwd=str(tmp_path))
+def test_cli_with_a_directory_that_is_not_verl_is_one_line_exit_2(tmp_path, cli_in_process):
+    proc = cli_in_process("run", "--target", "verl", "--verl-src", str(tmp_path))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "is not a verl checkout" in proc.stderr and "tensor_parallel.py" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

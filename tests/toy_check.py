@@ -35,3 +35,12 @@ class RaisedLogProbs(BuiltinTarget):
         out = super().compute(inputs)
         out.log_probs[0] = out.log_probs[0] + 100.0
         return out
+
+
+class BrokenCheck(Check):
+    """A plugin's check with a bug of its own: its hook raises on every scenario."""
+
+    kind = "broken"
+
+    def after_forward(self, life: Life) -> None:
+        raise KeyError("a field this check expected")

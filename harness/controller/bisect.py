@@ -19,7 +19,7 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.verdict import Verdict
+from shardcheck.harness.controller.verdict import ERROR, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 from shardcheck.targets.base import SRC_ENV
@@ -56,6 +56,8 @@ def commits_between(repo: str, old: str, new: str) -> list[str]:
         raise BadInput(f"--src-repo {repo!r} is not a directory")
     old_hash = _git(repo, "rev-parse", "--verify", f"{old}^{{commit}}").strip()
     new_hash = _git(repo, "rev-parse", "--verify", f"{new}^{{commit}}").strip()
+    if old_hash == new_hash:  # nothing between them: no suite need run to say so
+        raise BadInput(f"--good {old} and --bad {new} are one commit ({old_hash[:12]}): there is no change to find")
     if subprocess.run(["git", "-C", repo, "merge-base", "--is-ancestor", old_hash, new_hash]).returncode != 0:
         raise BadInput(f"{old} is not an ancestor of {new}")
     out = _git(repo, "rev-list", "--first-parent", "--ancestry-path", f"{old_hash}..{new_hash}")
@@ -88,7 +90,9 @@ def check_commit(repo: str, commit: str, scenarios: Sequence[Scenario], target: 
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    unimportable = [v for v in result.verdicts if any("cannot be imported" in f.message for f in v.failures)]
+    # a commit the target cannot run at (it cannot be imported; the harness's own error there) is no verdict
+    unimportable = [v for v in result.verdicts
+                    if v.status == ERROR or any("cannot be imported" in f.message for f in v.failures)]
     if unimportable:
         return Step(commit, None, result.verdicts, result.info, why_skipped=unimportable[0].failures[0].message)
     return Step(commit, signature(result.verdicts), result.verdicts, result.info)

@@ -11,12 +11,14 @@ key made of the target and the search space, so the next search for that target 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
+import os
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
@@ -24,16 +26,30 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from shardcheck.errors import BadInput
+from shardcheck.errors import BadInput, ShardcheckError
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, Verdict
+from shardcheck.harness.controller.verdict import ERROR, FAIL, PASS, SKIP, Verdict
 from shardcheck.harness.controller.worlds import World, world_for
 from shardcheck.scenarios import strategies
 from shardcheck.scenarios.scenario import LAYOUTS, Scenario
 
 DEFAULT_DATABASE = ".shardcheck/hypothesis"
 DEFAULT_OUT = ".shardcheck/fuzz-failure.json"
+
+
+@contextlib.contextmanager
+def hypothesis_home(directory: str) -> Iterator[None]:
+    """hypothesis' own files (its cache of constants) under ``directory``, beside the example
+    database, not in a ``.hypothesis/`` of the current folder; as it was afterwards."""
+    import hypothesis.configuration as configuration
+
+    before = getattr(configuration, "__hypothesis_home_directory", None)  # a module global, not mangled
+    configuration.set_hypothesis_home_dir(directory)
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(before)
 DEFAULT_TP = (1, 2, 4)
 DEFAULT_CP = (1, 2, 4)
 AUTO_MAX_RANKS = 4  # without --nproc, (tp, cp) pairs needing more ranks are left out
@@ -115,6 +131,9 @@ class _Search:
                 r.shrink_budget_spent = True
                 return  # unknown counts as passing: the shrinker settles on the smallest it has
             verdict = self._run(sc)
+        if verdict.status == ERROR:  # the harness's own failure (a plugin's check): not the target's to shrink
+            self.error = ShardcheckError(f"scenario {sc.name!r}: {verdict.headline()}")
+            raise self.error
         assume(verdict.status != SKIP)  # outside the target's capabilities: not an example
         if verdict.status == FAIL:
             self.last = verdict
@@ -289,7 +308,8 @@ def fuzz(
         active.ensure_ready()  # before the search: start-up is not charged to any example
         runs.t0 = time.perf_counter()
         try:
-            search()
+            with hypothesis_home(os.path.join(os.path.dirname(database or DEFAULT_DATABASE), "hypothesis-home")):
+                search()
         except _Found:
             pass
         except Flaky:

@@ -20,10 +20,15 @@ class Progress:
         self.live = err.isatty()
         self.runs = 0
         self.failed = False
+        # the latest failing scenario: each one the shrink finds is smaller than the one before
+        self.failing: Scenario | None = None
+        self.shrunk = False
 
     def __call__(self, event: Event) -> None:
         self.runs = event.number
-        self.failed = self.failed or event.verdict.status == "fail"
+        if event.verdict.status == "fail":
+            self.failed, self.failing = True, event.verdict.scenario
+            self.shrunk = self.shrunk or event.shrinking
         if self.quiet:
             return
         stage = "shrink" if event.shrinking else "search"
@@ -68,6 +73,22 @@ def write_minimal(result: FuzzResult, out: str, command: str, target_args: Seque
         raise BadInput(f"cannot write --out {out!r}: {exc.strerror}") from None
     replay = replay_command(result.target, out, target_args, command)
     return minimal, out, replay
+
+
+def write_unshrunk(progress: Progress, out: str, target: str, target_args: Sequence[str] = ()) -> str:
+    """On an interrupted search: the latest failing scenario it saw written to ``out``, and the
+    words that say so; "" when it saw none (or ``out`` cannot be written: said instead)."""
+    from shardcheck.scenarios import write_scenario_file
+
+    if progress.failing is None:
+        return ""
+    try:
+        write_scenario_file(out, progress.failing)
+    except OSError as exc:
+        return f"; a failure was seen, but --out {out!r} cannot be written ({exc.strerror})"
+    how = "partly shrunk" if progress.shrunk else "not shrunk"
+    return (f"; the failing scenario seen last ({how}) is in {out}: "
+            f"{replay_command(target, out, target_args)}")
 
 
 def repro_offer(target: str, minimal: Scenario | None, path: str | None, target_args: Sequence[str] = ()) -> str | None:

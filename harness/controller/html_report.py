@@ -88,6 +88,9 @@ def _summary(doc: dict[str, Any]) -> list[str]:
                      f"{summary.get('fail', 0)} failed, {summary.get('skip', 0)} skipped"
                      + (f", {summary['timeout']} timed out (the machine was too slow: no finding either way)"
                         if summary.get("timeout") else "")
+                     + (f", {summary['error']} error{'s' if summary['error'] != 1 else ''} (shardcheck's own: "
+                        "no finding either way)"
+                        if summary.get("error") else "")
                      + ("" if doc.get("complete", True) else " <b>(incomplete: the run did not finish)</b>") + "</p>")
     defined = target.get("definitions") or {}
     if defined:

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from shardcheck.harness.controller import reach_report
 from shardcheck.harness.controller.report_file import GuardedWrites, remove_quietly, sweep_beside, temp_beside
-from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, TIMED_OUT, RunInfo, Verdict
+from shardcheck.harness.controller.verdict import ERROR, FAIL, PASS, SKIP, TIMED_OUT, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 MAX_FAILURES_SHOWN = 8
@@ -32,6 +32,12 @@ def visible(text: Any) -> str:
     """``text`` as a person is shown it: each hidden or reordering character as a ``\\uXXXX``
     escape (tab and newline kept), so what is read is what is there."""
     return _HIDDEN.sub(lambda m: f"\\u{ord(m.group()):04x}", str(text))
+
+
+def one_line(text: Any) -> str:
+    """``text`` as :func:`visible` shows it, its newlines and tabs escaped too (``\\n``, ``\\t``): a
+    name in a table row or a progress line, which a newline would split."""
+    return visible(text).replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _counts(verdicts: list[Verdict]) -> dict[str, int]:
@@ -284,10 +290,11 @@ class TerminalReport:
             return
         c = self.counts  # kept up, not counted again: a run of half a million scenarios
         c[verdict.status] = c.get(verdict.status, 0) + 1
-        timed = f" {c[TIMED_OUT]} timed out" if c.get(TIMED_OUT) else ""
+        timed = (f" {c[TIMED_OUT]} timed out" if c.get(TIMED_OUT) else "") + (
+            f" {c[ERROR]} error{'s' if c[ERROR] != 1 else ''}" if c.get(ERROR) else "")
         line = (f"[{len(self.verdicts):>{len(str(self.total))}}/{self.total}] {time.perf_counter() - self.t0:6.1f}s "
                 f"{c[PASS]} passed {c[FAIL]} failed {c[SKIP]} skipped{timed}  {verdict.status:<4} "
-                f"{visible(verdict.scenario.name)}")
+                f"{one_line(verdict.scenario.name)}")
         show_progress(self.err, line, self.live)
 
     def world_starting(self, what: str, seconds: float) -> None:
@@ -320,16 +327,17 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
     rows = [("scenario", "layout", "tp", "cp", "verdict", "time", "detail")]
     for v in verdicts:
         sc = v.scenario
-        rows.append((visible(sc.name), sc.layout, str(sc.tp), str(sc.cp), v.status.upper() if v.status == FAIL else v.status,
+        rows.append((one_line(sc.name), sc.layout, str(sc.tp), str(sc.cp),
+                     v.status.upper() if v.status in (FAIL, ERROR) else v.status,
                      f"{v.seconds:.2f}s" if v.status != SKIP else "-", clip(v.headline(), 90)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 6)
     for v in verdicts:
-        if v.status == FAIL:
+        if v.status in (FAIL, ERROR):
             lines.append("")
             lines.append(render_failure(v))
-            if info.repro and _repro_refusal(v.scenario, v.kinds) is None:
+            if v.status == FAIL and info.repro and _repro_refusal(v.scenario, v.kinds) is None:
                 lines.append("  as a script needing only torch: " + info.repro.format(scenario=shell_word(v.scenario.name)))
     c = _counts(verdicts)
     start = info.startup_seconds
@@ -357,6 +365,8 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
     lines.append(
         f"{scenario_count(c['total'], planned)}: {c[PASS]:,} passed, {c[FAIL]:,} failed, {c[SKIP]:,} skipped"
         + (f", {c[TIMED_OUT]:,} timed out (the machine was too slow: no finding either way)" if c.get(TIMED_OUT) else "")
+        + (f", {c[ERROR]:,} error{'s' if c.get(ERROR) != 1 else ''} (shardcheck's own: no finding either way)"
+           if c.get(ERROR) else "")
         + " "
         f"in {info.wall_seconds:.1f}s"
         + (f" (world start-up {sum(start):.1f}s, {len(start)} start{'s' if len(start) != 1 else ''}, "
@@ -403,7 +413,8 @@ def layout_line(verdicts: list[Verdict]) -> str | None:
 
 def render_failure(v: Verdict) -> str:
     """A failed scenario's findings, the first line naming the scenario and its layout."""
-    lines = [f"FAILED {visible(v.scenario.name)}  ({visible(v.scenario.summary())})"]
+    head = "ERROR (shardcheck's own, not the target's)" if v.status == ERROR else "FAILED"
+    lines = [f"{head} {one_line(v.scenario.name)}  ({one_line(v.scenario.summary())})"]
     for f in v.failures[:MAX_FAILURES_SHOWN]:
         phase = f" in {f.phase}" if f.phase else ""
         lines.append(f"  {f.kind}{phase} [ranks {rank_list(f.ranks)}]: {f.message}")

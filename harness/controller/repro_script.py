@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CASE: dict = {}  # written above by shardcheck repro
-TIMEOUT_S, SHOWN = 15.0, 5  # a rank not done in TIMEOUT_S is hung; SHOWN: differences listed a kind
+# hung: no progress (CPU time, a call) in TIMEOUT_S; still moving at GIVE_UP_S: given up, exit 3; SHOWN a kind
+TIMEOUT_S, GIVE_UP_S, SHOWN, EXIT_TOO_SLOW = 15.0, 600.0, 5, 3
 
 
 def call_code_under_test(logits, rank):  # written above by shardcheck repro
@@ -100,7 +101,7 @@ def run_rank(rank, world, folder, code, backend):
             for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
                 setattr(dist, name, logged(name, getattr(dist, name), log))
             dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                                    timeout=datetime.timedelta(seconds=GIVE_UP_S))  # hangs: main's progress watch
             tp, cp = sc["tp"], sc["cp"]
             tp_groups = [dist.new_group([c * tp + r for r in range(tp)]) for c in range(cp)]
             cp_groups = [dist.new_group([c * tp + r for c in range(cp)]) for r in range(tp)]
@@ -196,7 +197,8 @@ def findings(folder, world, hung, inplace):
     if crashes:
         return [said(c) for c in crashes]
     if hung:
-        return [f"ranks {hung} were still running after {TIMEOUT_S:.0f} s with no collective mismatch logged"]
+        return [f"ranks {hung} made no progress for {TIMEOUT_S:.0f} s (waiting: no CPU time, no call), with no "
+                "collective mismatch logged"]
     names = ["the logits", *(f"sample {i}'s tokens" for i in range(len(sc["totals"]))), "a gradient fed to backward"]
     for res in results if inplace else []:  # --no-inplace (or the run's): not checked
         for when in ("forward", "backward"):
@@ -225,22 +227,40 @@ def findings(folder, world, hung, inplace):
     return out
 
 
+def watch(procs, folder):
+    """(hung, slow) live ranks; a rank starved of a CPU still gets some CPU time: it is not hung."""
+    def progress(r, p):  # utime + stime of its process (Linux; elsewhere its calls alone), its calls
+        calls = os.path.join(folder, f"calls.{r}")
+        try:
+            cpu = sum(map(int, open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[11:13]))
+        except (OSError, ValueError):  # gone since, or not Linux
+            cpu = 0
+        return cpu, os.path.getsize(calls) if os.path.exists(calls) else 0
+    seen, start = None, time.monotonic()  # last: set on the first pass, as nothing was seen before it
+    while alive := [(r, p) for r, p in enumerate(procs) if p.is_alive()]:
+        state, now = [(r, progress(r, p)) for r, p in alive], time.monotonic()
+        if now - start > GIVE_UP_S or (state == seen and now - last > TIMEOUT_S):
+            return ([], [r for r, _ in alive]) if now - start > GIVE_UP_S else ([r for r, _ in alive], [])
+        seen, last = state, (last if state == seen else now)
+        alive[0][1].join(0.2)
+    return [], []
+
+
 def main(code, inplace, backend="gloo"):
     world = CASE["scenario"]["tp"] * CASE["scenario"]["cp"]
     with tempfile.TemporaryDirectory(prefix="repro-") as folder:
         ctx = multiprocessing.get_context("fork")  # torch is loaded once; nothing of it has run yet
         procs = [ctx.Process(target=run_rank, args=(r, world, folder, code, backend), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        [p.start() for p in procs]
+        hung, slow = watch(procs, folder)
         for p in procs:
             p.kill() if p.is_alive() else None
             p.join()
-        found = findings(folder, world, hung, inplace)
+        found = [] if slow else findings(folder, world, hung, inplace)
     what = f"{CASE['target'].split(':')[0]}{':' + code['variant'] if code['variant'] else ''} (from {code['src']}) on scenario {CASE['scenario']['name']}"
+    if slow:
+        print(f"GAVE UP on {what}: ranks {slow} still moving after {GIVE_UP_S:.0f} s (a machine too slow, or a loop): no finding either way")
+        return EXIT_TOO_SLOW
     if found:
         print(f"FOUND in {what}: " + "; ".join(found[:SHOWN * 2]) + ("" if len(found) <= SHOWN * 2 else f"; and {len(found) - SHOWN * 2} more"))
         return 1

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shardcheck.harness.controller.verdict import FAIL, SKIP, TIMED_OUT, RunInfo, Verdict, merge
+from shardcheck.harness.controller.verdict import ERROR, FAIL, SKIP, TIMED_OUT, RunInfo, Verdict, merge
 from shardcheck.harness.controller.reach_report import Reach
 from shardcheck.harness.controller.repro import target_refusal
 from shardcheck.harness.controller.worlds import World, world_for
@@ -34,6 +34,8 @@ class RunResult:
     def exit_code(self) -> int:
         if any(v.status == FAIL for v in self.verdicts):
             return 1
+        if any(v.status == ERROR for v in self.verdicts):  # the harness's own failure: no finding either way
+            return 2
         return 3 if any(v.status == TIMED_OUT for v in self.verdicts) else 0
 
 

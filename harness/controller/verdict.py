@@ -14,6 +14,7 @@ from shardcheck.harness.wire import (  # noqa: F401  (the kinds, re-exported for
     INVARIANCE_VIOLATION,
     KINDS,
     RANK_ERROR,
+    HARNESS_ERROR,
     ROOT_CAUSES,
     TIMEOUT,
     VALUE_MISMATCH,
@@ -26,7 +27,9 @@ from shardcheck.scenarios.scenario import Scenario
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 # a deadline the machine missed (its ranks waited for a CPU): no finding either way; exit status 3
 TIMED_OUT = "timeout"
-STATUSES = (PASS, FAIL, SKIP, TIMED_OUT)
+# the harness's own part failed on a rank (harness_error): not the target's; exit status 2
+ERROR = "error"
+STATUSES = (PASS, FAIL, SKIP, TIMED_OUT, ERROR)
 
 
 @dataclass
@@ -159,6 +162,8 @@ def _status(failures: list[Failure]) -> str:
     and its peers' reports of waiting for the ranks that missed them."""
     if not failures:
         return PASS
+    if any(f.kind == HARNESS_ERROR for f in failures):
+        return ERROR
     if any(f.kind == TIMEOUT for f in failures) and all(
             f.kind == TIMEOUT or "waited_for" in f.details for f in failures):
         return TIMED_OUT

@@ -92,9 +92,11 @@ def apart(a: torch.Tensor | float, b: torch.Tensor | float, dtype: torch.dtype) 
     n = ulp_distance(ta, tb, dtype)
     if n is None and x == y:  # two NaNs
         return f"nan (bits 0x{_bits(ta):x})", f"nan (bits 0x{_bits(tb):x})", ""
-    if n == 0:  # equal as numbers: -0.0 against 0.0
-        return x, y, " (the same number, the sign bit differs)"
     name = str(dtype).removeprefix("torch.")
+    if n == 0:
+        if float(ta) == float(tb):  # equal as numbers: -0.0 against 0.0
+            return x, y, " (the same number, the sign bit differs)"
+        return x, y, f" (one value once rounded to {name}: they differ below its precision)"
     return x, y, "" if n is None else f" ({n} ulp{'' if n == 1 else 's'} of {name})"
 
 
@@ -309,7 +311,7 @@ class ReferenceComparison(Check):
             failures.insert(0, step_scale_failure(life, torch.cat(wanted)))
         life.add((failures, {"step_grad": worst["grad"]}))
         if life.logged_loss is not None:
-            life.add(compare_loss(life.layout, life.data, torch.as_tensor(life.logged_loss), life.rank,
+            life.add(compare_loss(life.layout, life.data, life.logged_loss, life.rank,
                                   life.reference_device, life.definitions.entropy_sign, field="logged_loss"))
 
 

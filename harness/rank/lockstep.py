@@ -40,7 +40,7 @@ import torch.distributed as dist
 from shardcheck.harness.rank import trace
 from shardcheck.harness.rank.arrivals import BoardArrivals, StoreArrivals
 from shardcheck.harness.rank.board import Board
-from shardcheck.harness.rank.pipeline import Check, Frame, Life, raise_payload
+from shardcheck.harness.rank.pipeline import Check, Frame, Life, Stop, raise_payload
 from shardcheck.harness.rank.trace import POINT_TO_POINT, Call
 from shardcheck.harness.wire import COLLECTIVE_MISMATCH, EXPLAIN, RANK_ERROR, Failure, status_key
 
@@ -54,7 +54,7 @@ def call_key(seq: int, group: str, number: int, rank: int) -> str:
     return f"call/{seq}/{group}/{number}/{rank}"
 
 
-class CollectiveMismatch(RuntimeError):
+class CollectiveMismatch(Stop):
     """The ranks of a group were about to issue different collectives (or one issued none)."""
 
     def __init__(self, report: dict[str, Any]) -> None:
@@ -62,7 +62,7 @@ class CollectiveMismatch(RuntimeError):
         self.report = report
 
 
-class PeerStopped(RuntimeError):
+class PeerStopped(Stop):
     """A peer this rank waits for stopped (raised, died, or stopped on a mismatch elsewhere)."""
 
     def __init__(self, report: dict[str, Any]) -> None:
@@ -70,7 +70,7 @@ class PeerStopped(RuntimeError):
         self.report = report
 
 
-class LockstepTimeout(RuntimeError):
+class LockstepTimeout(Stop):
     """Peers neither arrived nor said why, and nobody in the world issued a call, within the
     scenario's timeout."""
 

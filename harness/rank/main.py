@@ -198,8 +198,8 @@ class RankRunner:
         a change already found."""
         from shardcheck.harness import wire
         from shardcheck.harness.rank.checks import CHECKS
-        from shardcheck.harness.rank.pipeline import Frame, pipeline_for, raise_payload
-        from shardcheck.harness.wire import RANK_ERROR, Failure, RankResult
+        from shardcheck.harness.rank.pipeline import CheckRaised, Frame, pipeline_for
+        from shardcheck.harness.wire import Failure, RankResult
 
         t0 = time.perf_counter()
         checks = checks or wire.Checks()
@@ -210,8 +210,8 @@ class RankRunner:
         raised = False
         self.layout = None
         reached: dict[str, Any] = {}
-        pipeline.frame("begin", frame)
         try:
+            pipeline.frame("begin", frame)
             if checks.coverage:
                 from shardcheck.harness.rank.reach import measured
 
@@ -223,11 +223,13 @@ class RankRunner:
         except BaseException as exc:  # noqa: BLE001  (a crash of the target is a finding)
             if not pipeline.claim(frame, exc):  # a check's own finding, or the target raised
                 raised = True
-                err = raise_payload(exc)
-                what = f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else "")
+                kind, what, err = self._raised(exc)
                 # a raise names no rank: the same cause on several ranks is one failure listing them
-                frame.found.append(Failure(RANK_ERROR, what, [self.rank], details={"at": time.time(), **err}))
-                pipeline.frame("abandon", frame, what)
+                frame.found.append(Failure(kind, what, [self.rank], details={"at": time.time(), **err}))
+                try:
+                    pipeline.frame("abandon", frame, what)
+                except CheckRaised:  # the first failure of a check is the one reported
+                    pass
         finally:
             pipeline.frame("end", frame)
         if not described and self._current in self._targets and self._current[0] == target:
@@ -251,6 +253,24 @@ class RankRunner:
             layout=self.layout,
             reached=reached or None,
         )
+
+    @staticmethod
+    def _raised(exc: BaseException) -> tuple[str, str, dict[str, Any]]:
+        """(kind, message, details) of a raise no check claimed: the harness's own (a check's hook,
+        the target's adapter refusing what it was given) or the target's (anything else)."""
+        from shardcheck.errors import ShardcheckError
+        from shardcheck.harness.rank.pipeline import CheckRaised, raise_payload
+        from shardcheck.harness.wire import HARNESS_ERROR, RANK_ERROR
+
+        if isinstance(exc, CheckRaised):
+            err = raise_payload(exc.error)
+            where = f" at {err['where']}" if err["where"] else ""
+            return HARNESS_ERROR, (f"the check {exc.check} raised at {exc.point}: {err['type']}: {err['message']}"
+                                   f"{where} (a check's failure, not the target's)"), {**err, "check": exc.check}
+        err = raise_payload(exc)
+        if isinstance(exc, ShardcheckError):
+            return HARNESS_ERROR, f"the target could not be run here: {err['message']}", err
+        return RANK_ERROR, f"raised {err['type']}: {err['message']}" + (f" at {err['where']}" if err["where"] else ""), err
 
     def rank_inputs(self, sc: Any, data: Any, layout: Any, logits: Any, form: str, rollout: Any) -> Any:
         """What this rank hands the target for ``sc`` laid out as ``layout``, with ``logits``."""

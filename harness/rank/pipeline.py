@@ -116,6 +116,22 @@ def raise_payload(exc: BaseException) -> dict[str, Any]:
     return wire.error_payload(exc, skip_prefixes=(os.path.dirname(torch.__file__), passthrough.__file__))
 
 
+class Stop(RuntimeError):
+    """Raised on purpose by a check to end the life where it stands (from inside the code under
+    test, or from a collective a hook issues): the check that raised it claims it."""
+
+
+class CheckRaised(RuntimeError):
+    """A check's own hook raised: the harness's (or its plugin's) failure, never the target's."""
+
+    def __init__(self, check: Check, point: str, exc: BaseException) -> None:
+        cls = type(check)
+        self.check = f"{cls.__module__}:{cls.__qualname__}"
+        self.point = point
+        self.error = exc
+        super().__init__(f"check {self.check} raised at {point}: {type(exc).__name__}: {exc}")
+
+
 class Check:
     """A check: hook into the points it needs (all do nothing here). ``kind`` is the failure
     kind it reports, its only name on the controller side, which renders every kind alike."""
@@ -169,11 +185,13 @@ class Pipeline:
         for check in self.checks:
             if life.stopped:
                 return
-            getattr(check, point)(life)
+            with _owned_by(check, point):
+                getattr(check, point)(life)
 
     def frame(self, point: str, frame: Frame, *args: Any) -> None:
         for check in self.checks:
-            getattr(check, point)(frame, *args)
+            with _owned_by(check, point):
+                getattr(check, point)(frame, *args)
 
     def claim(self, frame: Frame, exc: BaseException) -> bool:
         return any(check.claim(frame, exc) for check in self.checks)
@@ -182,8 +200,21 @@ class Pipeline:
     def around(self, point: str, life: Life) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             for check in self.checks:
-                stack.enter_context(getattr(check, point)(life))
+                with _owned_by(check, point):  # entering is the check's; what runs inside is not
+                    stack.enter_context(getattr(check, point)(life))
             yield
+
+
+@contextlib.contextmanager
+def _owned_by(check: Check, point: str) -> Iterator[None]:
+    """What a check's hook raises is the check's (:class:`CheckRaised`), but a :class:`Stop`,
+    which its check claims."""
+    try:
+        yield
+    except (Stop, CheckRaised):
+        raise
+    except Exception as exc:  # noqa: BLE001  (whatever a plugin's check raises)
+        raise CheckRaised(check, point, exc) from exc
 
 
 def pipeline_for(flags: Checks, listed: Sequence[type[Check]]) -> Pipeline:

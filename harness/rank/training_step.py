@@ -304,7 +304,8 @@ def logged_loss(step: Step, ran: Ran) -> tuple[Any, str]:
         value = aggregate(ran.reported, view)
     if value is None:
         return None, f"not compared: {getattr(step.target, 'name', 'the target')}'s commit has no aggregation of it"
-    return value, "compared with the objective's value over the global batch"
+    # a value that is no number raises here, the target's (not in the check that compares it)
+    return torch.as_tensor(value).detach(), "compared with the objective's value over the global batch"
 
 
 def per_token_loss(target: Any, defined: Any) -> bool:

@@ -1,0 +1,63 @@
+"""What a command line is checked for before any world starts, so that a mistake is one line and
+exit 2 and never a failure blamed on the code under test, nor a file of the user's overwritten:
+
+- the checks ``SHARDCHECK_CHECKS`` names import and are checks (every rank would fail on them);
+- no output (a report, a page, a script, a scenario written) lands on an input (a scenario file,
+  a report read) or on another output of the same command, links resolved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shardcheck.errors import BadInput
+
+# the commands that start a world (or a simulated one) and so run the checks
+CHECKING = ("run", "fuzz", "invariance", "bisect", "simulate")
+# argparse's destinations that name a file the command reads, and one it writes
+INPUTS = (("scenario_file", "--scenario-file"), ("report", "--report"), ("json", "JSON"))
+OUTPUTS = (("json_report", "--json-report"), ("html_report", "--html-report"), ("out", "--out"), ("html", "--html"))
+
+
+def check(args: argparse.Namespace) -> None:
+    """BadInput, one line, for the first thing wrong with ``args`` that is found before a world."""
+    if args.command in CHECKING:
+        plugin_checks()
+    distinct_paths(args)
+
+
+def plugin_checks() -> None:
+    """The checks SHARDCHECK_CHECKS names, imported here as every rank would import them."""
+    from shardcheck.harness.rank.pipeline import EXTRA_ENV, extra_checks
+
+    try:
+        extra_checks()
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001  (an import of the user's module: whatever it raises)
+        spec = os.environ.get(EXTRA_ENV, "")
+        raise BadInput(f"{EXTRA_ENV}={spec!r}: cannot import a check: {type(exc).__name__}: "
+                       f"{' '.join(str(exc).split())}") from None
+
+
+def distinct_paths(args: argparse.Namespace) -> None:
+    """No output on an input or on another output (compared after resolving links)."""
+    def given(pairs: tuple[tuple[str, str], ...]) -> list[tuple[str, str, str]]:
+        out = []
+        for dest, flag in pairs:
+            value = getattr(args, dest, None)
+            if isinstance(value, str) and value:
+                out.append((flag, value, os.path.realpath(value)))
+        return out
+
+    inputs, outputs = given(INPUTS), given(OUTPUTS)
+    for i, (flag, value, real) in enumerate(outputs):
+        for in_flag, in_value, in_real in inputs:
+            if real == in_real:
+                raise BadInput(f"{flag} {value!r} is the {in_flag} {in_value!r}: the command would overwrite what it "
+                               "reads (name another file)")
+        for other_flag, other_value, other_real in outputs[:i]:
+            if real == other_real:
+                raise BadInput(f"{flag} {value!r} and {other_flag} {other_value!r} are one file: one output would "
+                               "overwrite the other (name two files)")
