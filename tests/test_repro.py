@@ -199,7 +199,7 @@ def test_a_script_too_long_to_read_is_refused_with_the_count(tmp_path, cli_in_pr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
 
 
-def test_the_scripts_deadline_follows_progress(monkeypatch):
+def test_the_scripts_deadline_follows_progress(monkeypatch, tmp_path):
     """The script's watch of its ranks: a rank that makes no progress (a sleep, as a rank waiting
     on a collective that never comes) is hung after TIMEOUT_S; one still using CPU is moving, not
     hung, however long it takes, up to GIVE_UP_S, after which it is given up on (exit 3, never
@@ -225,15 +225,16 @@ def test_the_scripts_deadline_follows_progress(monkeypatch):
         while time.monotonic() < end:
             pass
 
+    (tmp_path / "calls.0").write_text("")  # each rank's log of its calls, which it opens first
     waiting, working = started(lambda: time.sleep(60)), started(lambda: spin(1.5))
     try:
         t0 = time.monotonic()
-        assert repro_script.watch([working], "/nonexistent") == ([], [])  # 1.5 s of work, past TIMEOUT_S
+        assert repro_script.watch([working], str(tmp_path)) == ([], [])  # 1.5 s of work, past TIMEOUT_S
         assert time.monotonic() - t0 >= 1.0
-        assert repro_script.watch([waiting], "/nonexistent") == ([0], [])
+        assert repro_script.watch([waiting], str(tmp_path)) == ([0], [])
         monkeypatch.setattr(repro_script, "GIVE_UP_S", 0.5)
         looping = started(lambda: spin(60))
-        assert repro_script.watch([looping], "/nonexistent") == ([], [0])
+        assert repro_script.watch([looping], str(tmp_path)) == ([], [0])
     finally:
         for p in procs:
             p.kill()

@@ -226,14 +226,14 @@ def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, n
     return "\n".join([
         f'"""shardcheck repro ({datetime.date.today().isoformat()}): {spec} on scenario {sc.name} ({sc.layout}, '
         f"tp={sc.tp}, cp={sc.cp}, {sc.dtype})",
-        "A world of tp * cp processes (gloo; nccl if asked), torch alone: the scenario's inputs from its seed, each rank's rows as the",
+        "A world of tp * cp processes (gloo; nccl if asked), torch alone: the scenario's inputs from its seed, each rank's rows as the "
         "failing run laid them out, the code called as shardcheck's target calls it, plain checks against float64.",
         f"Code under test: {src}" + (f" at commit {commit}" if commit else "")
         + (f"; its {built_by} lays out the rows (run again and checked)" if built_by else ""),
         f"Expected (shardcheck found): {expected}",
         f"Run: python {name} [--src CHECKOUT] [--variant NAME|none] [--backend gloo|nccl]"
-        + (" [--no-inplace]" if inplace else "") + "; exit 1: found (it says what), 0: not." + ("" if inplace else " Inputs changed in place: not checked."),
-        '"""',
+        + (" [--no-inplace]" if inplace else "") + "; exit 1: found (it says what), 0: not, 3: gave up (too slow)."
+        + ("" if inplace else " Inputs changed in place: not checked.") + '"""',
         "",
     ]) + "\n"
 

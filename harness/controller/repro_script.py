@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CASE: dict = {}  # written above by shardcheck repro
-# hung: no progress (CPU time, a call) in TIMEOUT_S; still moving at GIVE_UP_S: given up, exit 3; SHOWN a kind
-TIMEOUT_S, GIVE_UP_S, SHOWN, EXIT_TOO_SLOW = 15.0, 600.0, 5, 3
+TIMEOUT_S, GIVE_UP_S, SHOWN, EXIT_TOO_SLOW = 15.0, 600.0, 5, 3  # hung: no CPU time nor call in TIMEOUT_S (see watch)
 
 
 def call_code_under_test(logits, rank):  # written above by shardcheck repro
@@ -84,8 +83,7 @@ def logged(name, fn, log):
         group = kwargs.get("group", next((a for a in args if isinstance(a, dist.ProcessGroup)), None))
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         shapes = [list(t.shape) for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
-        op = next((a.name for a in [*args, *kwargs.values()] if isinstance(a, dist.ReduceOp.RedOpType)),
-                  "SUM" if name in ("all_reduce", "reduce_scatter_tensor") else "")
+        op = next((a.name for a in [*args, *kwargs.values()] if isinstance(a, dist.ReduceOp.RedOpType)), "SUM" if name in ("all_reduce", "reduce_scatter_tensor") else "")
         phase = "backward" if torch._C._current_autograd_node() is not None else "forward"  # autograd runs it
         print(f"{ranks}\t{name}({op}) {shapes} in {phase}", file=log, flush=True)
         return fn(*args, **kwargs)
@@ -161,8 +159,7 @@ class Writes(TorchDispatchMode):
             dense = isinstance(value, torch.Tensor) and value.layout == torch.strided
             at = value.untyped_storage().data_ptr() if arg.is_write and dense else None
             if at in self.memory and self.memory.index(at) not in self.sites:
-                line = next((f for f in reversed(traceback.extract_stack())
-                             if "/torch/" not in f.filename and f.filename != __file__), None)
+                line = next((f for f in reversed(traceback.extract_stack()) if "/torch/" not in f.filename and f.filename != __file__), None)
                 self.sites[self.memory.index(at)] = f" ({func} at {line.filename}:{line.lineno})" if line else f" ({func})"
         return func(*args, **(kwargs or {}))
 
@@ -173,9 +170,7 @@ def findings(folder, world, hung, inplace):
     close = lambda got, want, t: (got.double() - want).abs() <= t[0] + t[1] * want.abs()  # noqa: E731  NaN: not
     saved = [os.path.join(folder, f"result.{r}.pt") for r in range(world)]  # a hung rank saved none
     results = [torch.load(path, weights_only=False) for path in saved if os.path.exists(path)]
-    crashes = {}  # what was raised -> the ranks that raised it
-    for res in (res for res in results if "crash" in res):
-        crashes.setdefault(res["crash"], []).append(res["rank"])
+    crashes = {c: [r["rank"] for r in results if r.get("crash") == c] for c in dict.fromkeys(r["crash"] for r in results if "crash" in r)}
     said = lambda c: f"rank{'s' * (len(crashes[c]) > 1)} {', '.join(map(str, crashes[c]))} raised {c}"  # noqa: E731
     # a rank that raised makes no more calls; a peer gone makes the backend raise: those follow from it
     out = [said(c) for c in crashes if not any(m in c for m in ("Connection closed", "Connection reset", "Timed out"))]
@@ -197,8 +192,7 @@ def findings(folder, world, hung, inplace):
     if crashes:
         return [said(c) for c in crashes]
     if hung:
-        return [f"ranks {hung} made no progress for {TIMEOUT_S:.0f} s (waiting: no CPU time, no call), with no "
-                "collective mismatch logged"]
+        return [f"ranks {hung} made no progress for {TIMEOUT_S:.0f} s (no CPU time, no call), with no collective mismatch logged"]
     names = ["the logits", *(f"sample {i}'s tokens" for i in range(len(sc["totals"]))), "a gradient fed to backward"]
     for res in results if inplace else []:  # --no-inplace (or the run's): not checked
         for when in ("forward", "backward"):
@@ -209,16 +203,14 @@ def findings(folder, world, hung, inplace):
         layout = CASE["ranks"][res["rank"]]
         want_grad = rank_grad(sc, layout, samples)
         for i, ((lp, ent, _), share) in enumerate(zip(samples, layout["share"])):
-            for field, got, want in (("log-prob", res["log_probs"], lp[share]), ("entropy", res["entropy"], ent[share])):
-                if got is None or (field == "entropy" and not sc["with_entropy"]):
+            for field, got, want in (("log-prob", res["log_probs"], lp[share]), *[("entropy", res["entropy"], ent[share])] * sc["with_entropy"]):
+                if got is None:
                     continue
                 if not isinstance(got[i], torch.Tensor) or got[i].shape != want.shape:
-                    out.append(f"rank {res['rank']} sample {i}: {field} is {getattr(got[i], 'shape', got[i])}, "
-                               f"want shape {list(want.shape)}")
+                    out.append(f"rank {res['rank']} sample {i}: {field} is {getattr(got[i], 'shape', got[i])}, want shape {list(want.shape)}")
                     continue
                 for j in (~close(got[i], want, tol("values"))).nonzero().flatten().tolist()[:SHOWN]:
-                    out.append(f"rank {res['rank']} sample {i} response token {layout['share'][i][j]}: {field} "
-                               f"{got[i][j].item():.8g}, want {want[j].item():.8g}")
+                    out.append(f"rank {res['rank']} sample {i} response token {layout['share'][i][j]}: {field} {got[i][j].item():.8g}, want {want[j].item():.8g}")
         bad = (~close(res["grad"], want_grad, tol("grad"))).nonzero().tolist()
         for where in bad[:SHOWN]:
             out.append(f"rank {res['rank']} logits row {where[:-1]} column {layout['columns'][0] + where[-1]}: gradient "
@@ -227,22 +219,18 @@ def findings(folder, world, hung, inplace):
     return out
 
 
-def watch(procs, folder):
-    """(hung, slow) live ranks; a rank starved of a CPU still gets some CPU time: it is not hung."""
-    def progress(r, p):  # utime + stime of its process (Linux; elsewhere its calls alone), its calls
-        calls = os.path.join(folder, f"calls.{r}")
-        try:
-            cpu = sum(map(int, open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[11:13]))
-        except (OSError, ValueError):  # gone since, or not Linux
-            cpu = 0
-        return cpu, os.path.getsize(calls) if os.path.exists(calls) else 0
-    seen, start = None, time.monotonic()  # last: set on the first pass, as nothing was seen before it
-    while alive := [(r, p) for r, p in enumerate(procs) if p.is_alive()]:
-        state, now = [(r, progress(r, p)) for r, p in alive], time.monotonic()
+def watch(procs, folder):  # (hung, slow): the ranks alive with neither CPU time nor a call for TIMEOUT_S, or at GIVE_UP_S
+    seen, start = (), time.monotonic()  # a rank starved of a CPU still gets some CPU time: it is not hung
+    while alive := [r for r, p in enumerate(procs) if p.is_alive()]:
+        try:  # per rank: utime + stime of its process (Linux; elsewhere nothing is known), the size of its call log
+            state = [(open(f"/proc/{procs[r].pid}/stat").read().rsplit(")", 1)[1].split()[11:13], os.path.getsize(f"{folder}/calls.{r}")) for r in alive]
+        except OSError:  # not Linux, a log not begun, or a rank just ended
+            state = None
+        now = time.monotonic()
         if now - start > GIVE_UP_S or (state == seen and now - last > TIMEOUT_S):
-            return ([], [r for r, _ in alive]) if now - start > GIVE_UP_S else ([r for r, _ in alive], [])
+            return ([], alive) if now - start > GIVE_UP_S else (alive, [])
         seen, last = state, (last if state == seen else now)
-        alive[0][1].join(0.2)
+        procs[alive[0]].join(0.2)
     return [], []
 
 
@@ -253,9 +241,7 @@ def main(code, inplace, backend="gloo"):
         procs = [ctx.Process(target=run_rank, args=(r, world, folder, code, backend), daemon=True) for r in range(world)]
         [p.start() for p in procs]
         hung, slow = watch(procs, folder)
-        for p in procs:
-            p.kill() if p.is_alive() else None
-            p.join()
+        [(p.kill() if p.is_alive() else None, p.join()) for p in procs]
         found = [] if slow else findings(folder, world, hung, inplace)
     what = f"{CASE['target'].split(':')[0]}{':' + code['variant'] if code['variant'] else ''} (from {code['src']}) on scenario {CASE['scenario']['name']}"
     if slow:
