@@ -6,7 +6,9 @@ known place, so a test can check the harness names exactly that place.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -926,6 +928,24 @@ class CallsElsewhereWhilePeersWait(BuiltinTarget):
             dist.all_reduce(torch.zeros(1), group=inputs.tp_group)
         dist.all_reduce(torch.zeros(1), group=inputs.cp_group)
         return super().compute(inputs)
+
+
+@contextlib.contextmanager
+def machine_loaded(per_core: int = 2) -> Iterator[None]:
+    """The machine loaded as a busy CI runner is: ``per_core`` busy processes for each core this
+    process may run on, for as long as the block lasts (killed, and waited for, after)."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(per_core * len(os.sched_getaffinity(0)))]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def hog_cpu() -> int:

@@ -42,14 +42,24 @@ def test_suites_and_targets_listings(cli_in_process):
         assert f"builtin:{name} " in proc.stdout
 
 
-def test_console_script_and_module_agree(cli_in_process):
+def _entry_points(folder):
+    """The real entry points as processes, in the background: the console script, and one bad
+    input through ``python -m shardcheck``."""
+    exe = __import__("shutil").which("shardcheck") or str(__import__("pathlib").Path(sys.executable).parent / "shardcheck")
+    return subprocess.run([exe, "suites"], capture_output=True, text=True, timeout=120), run_cli("frobnicate", timeout=120)
+
+
+BACKGROUND = {"entry-points": (_entry_points, 240)}
+
+
+@pytest.mark.background("entry-points")
+def test_console_script_and_module_agree(cli_in_process, background):
     """The real entry points, as processes: the console script says what ``main`` says, and one
     bad input through ``python -m shardcheck`` itself is one line and its exit status, as a shell
     sees them."""
-    exe = __import__("shutil").which("shardcheck") or str(__import__("pathlib").Path(sys.executable).parent / "shardcheck")
-    proc = subprocess.run([exe, "suites"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout == cli_in_process("suites").stdout
-    _one_line_error(run_cli("frobnicate"), "invalid choice")
+    script, bad = background("entry-points")
+    assert script.returncode == 0 and script.stdout == cli_in_process("suites").stdout
+    _one_line_error(bad, "invalid choice")
 
 
 @pytest.mark.parametrize(

@@ -53,28 +53,39 @@ def test_a_spawned_world_runs_as_a_forked_one(monkeypatch):
         assert _probe(world) == ["probe: spawned"]
 
 
-def test_a_rank_imports_parallel_state_and_not_the_rest_of_megatron_core_until_asked():
-    """The fork server and every rank import megatron-core's parallel_state without the package's
-    __init__ (tensor_parallel, transformer, ...: 2 s of a start); a target that asks megatron.core
-    for a name gets the package as always, its __init__ run in full."""
+MEGATRON_PROBE = (
+    "import sys, torch\n"
+    "from shardcheck.harness.rank.megatron_core import load_parallel_state\n"
+    "ps = load_parallel_state()\n"
+    "import megatron.core.parallel_state as again\n"
+    "print(again is ps, ps.__file__.endswith('megatron/core/parallel_state.py'),\n"
+    "      'megatron.core.tensor_parallel' in sys.modules, 'megatron.core.transformer' in sys.modules)\n"
+    "import megatron.core\n"
+    "version = megatron.core.__version__  # a name the package's __init__ sets: it runs then\n"
+    "from megatron.core import ModelParallelConfig, tensor_parallel\n"
+    "from importlib.metadata import version as installed\n"
+    "print(megatron.core.ModelParallelConfig is ModelParallelConfig, megatron.core.parallel_state is ps,\n"
+    "      tensor_parallel.vocab_parallel_cross_entropy.__module__, version == installed('megatron-core'))\n")
+
+
+def _probe_megatron_imports(folder):
+    """A fresh interpreter (what it has imported is the finding), in the background."""
     import subprocess
     import sys
 
-    probe = (
-        "import sys, torch\n"
-        "from shardcheck.harness.rank.megatron_core import load_parallel_state\n"
-        "ps = load_parallel_state()\n"
-        "import megatron.core.parallel_state as again\n"
-        "print(again is ps, ps.__file__.endswith('megatron/core/parallel_state.py'),\n"
-        "      'megatron.core.tensor_parallel' in sys.modules, 'megatron.core.transformer' in sys.modules)\n"
-        "import megatron.core\n"
-        "version = megatron.core.__version__  # a name the package's __init__ sets: it runs then\n"
-        "from megatron.core import ModelParallelConfig, tensor_parallel\n"
-        "from importlib.metadata import version as installed\n"
-        "print(megatron.core.ModelParallelConfig is ModelParallelConfig, megatron.core.parallel_state is ps,\n"
-        "      tensor_parallel.vocab_parallel_cross_entropy.__module__, version == installed('megatron-core'))\n")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=120,
-                         cwd="/")
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", MEGATRON_PROBE], capture_output=True, text=True,
+                          timeout=120, cwd="/")
+
+
+BACKGROUND = {"megatron-imports": (_probe_megatron_imports, 120)}
+
+
+@pytest.mark.background("megatron-imports")
+def test_a_rank_imports_parallel_state_and_not_the_rest_of_megatron_core_until_asked(background):
+    """The fork server and every rank import megatron-core's parallel_state without the package's
+    __init__ (tensor_parallel, transformer, ...: 2 s of a start); a target that asks megatron.core
+    for a name gets the package as always, its __init__ run in full."""
+    out = background("megatron-imports")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["True True False False",
                                        "True True megatron.core.tensor_parallel.cross_entropy True"], out.stdout

@@ -112,6 +112,7 @@ class FakeWorld:
             for proc, conn in used:
                 # each simulated rank has the timeout to itself: the deadline follows progress
                 deadline, current = time.perf_counter() + self.timeout, None
+                self._cpu_wait.sample([proc.pid])  # the window's start: a busy controller polls seldom
                 while True:
                     left = deadline - time.perf_counter()
                     if left <= 0 or not conn.poll(min(left, 1.0)):
@@ -119,17 +120,19 @@ class FakeWorld:
                         if left > 0:
                             continue
                         starved = self._cpu_wait.starved(proc.pid, self.timeout)
+                        busy = self._cpu_wait.busy(proc.pid, self.timeout)
                         self.close(politely=False)  # it never answered: end it, as a hung rank is ended
                         who = f"simulated rank {current}" if current is not None else "the simulated ranks"
                         if starved:
                             return self._everyone(world, f"{who} gave no result within {self.timeout:g}s; {starved}",
                                                   kind=TIMEOUT)
                         return self._everyone(world, f"{who} gave no result within {self.timeout:g}s "
-                                                     "(a target that never returns)")
+                                                     "(a target that never returns)" + (f"; {busy}" if busy else ""))
                     kind, payload = conn.recv()
                     if kind != "starting":
                         break
                     deadline, current = time.perf_counter() + self.timeout, payload
+                    self._cpu_wait.sample([proc.pid])
                 if kind != "results":
                     self.close()
                     return self._everyone(world, f"the simulation failed: {payload.get('type')}: "

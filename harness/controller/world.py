@@ -350,11 +350,12 @@ class SpawnedWorld:
         that did not come heads the verdict). A rank that waited for a CPU through much of the
         last ``window`` seconds missed its deadline because of the machine: a ``timeout``."""
         starved = {r: self._cpu_wait.starved(self._procs[r].pid, window) for r in pending}
+        busy = {r: self._cpu_wait.busy(self._procs[r].pid, window) for r in pending}
         stacks = self._stacks(pending)
         self._kill(pending)
         for r in pending:
             details = {"stack": stacks.get(r, "")} | ({"blamed": True} if blamed else {})
-            said = say(r, stacks.get(r) or "no stack available")
+            said = say(r, stacks.get(r) or "no stack available") + (f"; {busy[r]}" if busy[r] else "")
             if starved[r]:
                 results[r] = RankResult.error(r, f"{said}; {starved[r]}", desync=True, details=details,
                                               kind=TIMEOUT)
