@@ -374,10 +374,15 @@ class CollectiveTrace(Check):
         # explaining: anomaly mode makes torch record each autograd node's forward stack, so a
         # collective issued in the backward names where its node was made (see trace)
         import contextlib
+        import warnings
 
         import torch
 
-        return torch.autograd.detect_anomaly(check_nan=False) if life.checks.explain else contextlib.nullcontext()
+        if not life.checks.explain:
+            return contextlib.nullcontext()
+        with warnings.catch_warnings():  # torch's notice of the mode the harness turned on: not the ranks' output
+            warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+            return torch.autograd.detect_anomaly(check_nan=False)
 
     def finish(self, frame: Frame) -> None:
         if frame.lockstep is not None:
