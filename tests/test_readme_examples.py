@@ -1,4 +1,4 @@
-"""The examples README.md and docs/fuzzing.md quote come from the commands they show.
+"""The examples README.md, docs/fuzzing.md and docs/invariance.md quote come from the commands they show.
 
 Every fenced block of those pages whose first line is ``$ shardcheck ...`` is an example: the
 command runs (``python -m shardcheck``, in an empty temporary folder, so no `.shardcheck/`
@@ -13,7 +13,7 @@ hypothesis versions, so the page names the version it was made with; with anothe
 only what any version gives is checked (exit 1, the minimal scenario's layout and kind) and the
 rest is skipped, saying so.
 
-Time: both examples need a world of their own (start-up is most of it: 2 and 4 ranks), so they
+Time: the examples each need a world of their own (start-up is most of it: 2 and 4 ranks), so they
 run side by side, about 12 s on an idle 2-core machine (and 20-30 s on a busy one), in the
 background while other tests go on (tests/background.py); none needs a framework checkout.
 """
@@ -30,7 +30,7 @@ import hypothesis
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("README.md", "docs/fuzzing.md")
+PAGES = ("README.md", "docs/fuzzing.md", "docs/invariance.md")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 HYPOTHESIS_NAMED = re.compile(r"hypothesis (\d+\.\d+\.\d+)")
 
@@ -89,6 +89,10 @@ def test_the_pages_quote_examples():
     commands = [command for _, command, _ in examples()]
     assert any(c.startswith("shardcheck run ") for c in commands), commands
     assert any(c.startswith("shardcheck fuzz ") for c in commands), commands
+    assert any(c.startswith("shardcheck invariance ") for c in commands), commands
+    # README's table of commands names the invariance example the page shows (it had drifted from it)
+    invariance = next(c for c in commands if c.startswith("shardcheck invariance "))
+    assert f"`{invariance}`" in (ROOT / "README.md").read_text()
 
 
 @pytest.mark.background("readme-examples")
