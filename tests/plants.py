@@ -1100,3 +1100,15 @@ class StepLossMissesLogits(BuiltinLoss):
         if all(lp.numel() == 0 for lp in out.log_probs):
             out.loss = torch.zeros((), requires_grad=True) * 1.0  # in the graph, not the logits'.
         return out
+
+
+class RefusesItsCheckout(BuiltinTarget):
+    """builtin whose adapter refuses, on the rank, the checkout it was given (as a framework
+    commit it cannot import is refused): shardcheck's own error, not a finding of the code"""
+
+    name = "plants:RefusesItsCheckout"
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        from shardcheck.errors import BadInput
+
+        raise BadInput("slime at /x cannot be imported: no module named slime.backends (its first commit)")

@@ -85,3 +85,17 @@ def test_a_check_that_raises_is_the_harnesss_error_never_the_targets(tmp_path, w
     assert "value_mismatch" in v["kinds"], v["kinds"]  # the reference's comparison ran before it
     assert "ERROR (shardcheck's own, not the target's) thd-tp2cp1-basic" in run.stdout
     assert "as a script needing only torch" not in run.stdout and "1 error (shardcheck's own" in run.stdout
+
+
+@pytest.mark.world
+def test_an_adapter_that_refuses_its_checkout_on_a_rank_is_an_error_not_a_finding(tmp_path, world):
+    """A framework commit the adapter cannot import gave a FAIL (rank_error holding the harness's
+    own BadInput) on every rank: it is an `error` verdict (harness_error), exit 2, no repro line."""
+    scenarios = [s for s in get_suite("smoke") if s.name == "thd-tp2cp1-basic"]
+    run = run_on_world(world, scenarios, "plants:RefusesItsCheckout", tmp_path / "r.json", "smoke", repro="x {scenario}")
+    assert run.exit_code == 2, run.stdout
+    [v] = run.report["scenarios"]
+    assert v["verdict"] == "error" and v["kinds"] == ["harness_error"], v
+    assert v["failures"][0]["message"] == ("the target could not be run here: slime at /x cannot be imported: no module "
+                                           "named slime.backends (its first commit)"), v["failures"][0]
+    assert "as a script needing only torch" not in run.stdout
