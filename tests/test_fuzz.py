@@ -157,12 +157,22 @@ def test_bad_options_are_refused_before_any_world_starts(kwargs, fragment):
 
 
 @pytest.mark.world
-def test_fuzz_finds_shrinks_writes_and_replays_the_planted_bug(tmp_path, world):
+def _fuzz_the_planted_bug(folder):
+    """The real ``shardcheck fuzz`` process, in the background: (its run, where it wrote)."""
+    out = folder / "found" / "minimal.json"
+    return run_cli("fuzz", "--target", MUTANT, "--seed", "0", "--max-examples", "40", "--out", str(out), "-q",
+                   cwd=str(folder), timeout=300), out
+
+
+BACKGROUND = {"fuzz-planted": (_fuzz_the_planted_bug, 300)}
+
+
+@pytest.mark.background("fuzz-planted")
+def test_fuzz_finds_shrinks_writes_and_replays_the_planted_bug(tmp_path, world, background):
     """The real ``shardcheck fuzz`` process; the file it writes is replayed on the session's world
     (``shardcheck run`` itself is run end to end in test_run)."""
-    out = tmp_path / "found" / "minimal.json"
-    proc = run_cli("fuzz", "--target", MUTANT, "--seed", "0", "--max-examples", "40", "--out", str(out), "-q",
-                   cwd=str(tmp_path), timeout=300)
+    proc, out = background("fuzz-planted")
+    folder = out.parent.parent
     assert proc.returncode == 1, proc.stdout + proc.stderr
     [sc] = load_scenario_file(out)
     # shrunk: one or two short samples and a small vocabulary, still on the planted condition
@@ -173,7 +183,7 @@ def test_fuzz_finds_shrinks_writes_and_replays_the_planted_bug(tmp_path, world):
     assert replay in proc.stdout, proc.stdout
     kinds = re.search(r"minimal failing scenario: .*\[([a-z_, ]+)\]", proc.stdout).group(1).split(", ")
     assert "value_mismatch" in kinds
-    assert any((tmp_path / ".shardcheck" / "hypothesis").iterdir()), "the failure must be kept for next time"
+    assert any((folder / ".shardcheck" / "hypothesis").iterdir()), "the failure must be kept for next time"
 
     # the replay: the scenario file, run and reported as `shardcheck run --json-report` does (4 ranks
     # hold any cp the search drew)

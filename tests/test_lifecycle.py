@@ -14,11 +14,9 @@ from conftest import TESTS, alive, descendants
 pytestmark = pytest.mark.world
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
-    """Also under a TMPDIR too long for the fork server's socket (a pytest-xdist worker's
-    tmp_path is): the server listens in a short folder instead, which is gone after the run
-    (removed at exit, or by the next run's sweep when the run was killed)."""
+def _killed_run(tmp_path, sig):
+    """The CLI killed with ``sig`` three scenarios in, and what it left (the checks raise here,
+    in the background, and the test re-raises them)."""
     from shardcheck.harness.controller import leftovers
 
     report, temp = tmp_path / "r.json", tmp_path / ("long-" * 12)
@@ -66,3 +64,17 @@ def test_killed_run_keeps_its_results_and_leaves_no_ranks(tmp_path, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+BACKGROUND = {f"killed-run-{sig.name}": (lambda folder, sig=sig: _killed_run(folder, sig), 240)
+              for sig in (signal.SIGTERM, signal.SIGKILL)}
+
+
+@pytest.mark.background("killed-run-SIGTERM", "killed-run-SIGKILL")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["15", "9"])
+def test_killed_run_keeps_its_results_and_leaves_no_ranks(background, sig):
+    """Also under a TMPDIR too long for the fork server's socket (a pytest-xdist worker's
+    tmp_path is): the server listens in a short folder instead, which is gone after the run
+    (removed at exit, or by the next run's sweep when the run was killed). In the background: the
+    run is a process of its own, and only its own descendants are looked at."""
+    background(f"killed-run-{sig.name}")

@@ -76,11 +76,21 @@ def test_builtin_is_clean_in_simulation_on_wide_layouts(fake):
     assert any("collective_mismatch" in v.kinds for v in bad)
 
 
+def _simulate_search(folder):
+    """The real ``shardcheck simulate`` process, in the background: (its run, where it wrote)."""
+    out = folder / "min.json"
+    return run_cli("simulate", "--target", "builtin:skip_empty_rank", "--tp", "1,2,4", "--cp", "2,4,8,16",
+                   "--seed", "1", "--max-examples", "40", "--out", str(out), "-q", cwd=str(folder), timeout=300), out
+
+
+BACKGROUND = {"simulate-search": (_simulate_search, 300)}
+
+
 @pytest.mark.world
-def test_the_search_finds_shrinks_and_replays_on_a_real_world(tmp_path):
-    out = tmp_path / "min.json"
-    proc = run_cli("simulate", "--target", "builtin:skip_empty_rank", "--tp", "1,2,4", "--cp", "2,4,8,16",
-                   "--seed", "1", "--max-examples", "40", "--out", str(out), "-q", cwd=str(tmp_path), timeout=300)
+@pytest.mark.background("simulate-search")
+def test_the_search_finds_shrinks_and_replays_on_a_real_world(background):
+    proc, out = background("simulate-search")
+    tmp_path = out.parent
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "collective_mismatch" in proc.stdout and " call 0: rank " in proc.stdout
     assert "values are not checked" in proc.stdout
@@ -199,16 +209,21 @@ def test_a_simulation_still_going_rank_after_rank_is_not_hung():
 @pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()),
                     reason="no schedstat: how long a process waited for a CPU cannot be known here")
 @pytest.mark.calm
-def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target(tmp_path):
+@pytest.mark.parametrize("loaded", [False, True], ids=["quiet", "loaded"])
+def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target(tmp_path, loaded):
     """The simulation process runs at SCHED_IDLE on a CPU a busy process holds: the deadline it
-    misses is the machine's (timeout, exit status 3), not 'a target that never returns'."""
-    from plants import hog_cpu
+    misses is the machine's (timeout, exit status 3), not 'a target that never returns'; the same
+    with the machine loaded besides (a busy process a core, started here)."""
+    import contextlib
+
+    from plants import hog_cpu, machine_loaded
 
     sc = Scenario("starved", (Sample(12, 4),), vocab=8, tp=2)
     hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass"
                             % hog_cpu()])
     try:
-        with FakeWorld([2], timeout=2, workers=1) as w:
+        with machine_loaded(per_core=1) if loaded else contextlib.nullcontext(), \
+                FakeWorld([2], timeout=2, workers=1) as w:
             result = runner.run([sc], "plants:StarvedEverywhere", reporter=SilentReport(), world=w)
     finally:
         hog.kill()
