@@ -19,9 +19,20 @@ import shardcheck.harness.controller.report  # noqa: F401
 TESTS = Path(__file__).parent
 
 
+# what a test sets only for its own in-process runs (a plugin's checks: test_check_pipeline,
+# test_preflight); a process the background starts meanwhile must not inherit it
+TEST_LOCAL_ENV = ("SHARDCHECK_CHECKS",)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a shardcheck process a test starts: this one's, less what a test sets
+    for itself alone, with ``extra``."""
+    return {k: v for k, v in os.environ.items() if k not in TEST_LOCAL_ENV} | extra
+
+
 def run_cli(*args: str, timeout: float = 600, cwd: str | None = None) -> subprocess.CompletedProcess:
     """``python -m shardcheck ARGS`` in a fresh process, with tests/ importable (for plants)."""
-    env = dict(os.environ)
+    env = cli_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "shardcheck", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import TESTS, alive, descendants
+from conftest import TESTS, alive, cli_env, descendants
 
 pytestmark = pytest.mark.world
 
@@ -21,7 +21,7 @@ def _killed_run(tmp_path, sig):
 
     report, temp = tmp_path / "r.json", tmp_path / ("long-" * 12)
     temp.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(TESTS), TMPDIR=str(temp))
+    env = cli_env(PYTHONPATH=str(TESTS), TMPDIR=str(temp))
     out, err = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "shardcheck", "run", "--suite", "smoke", "-q",
                              "--json-report", str(report)], env=env, stdout=out, stderr=err)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_env
 from shardcheck.scenarios import get_suite
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "pytest_multigpu" / "test_shardcheck_regressions.py"
@@ -32,7 +33,7 @@ def _project(tmp_path: Path) -> Path:
 def _pytest(cwd: Path, *args: str, launcher: tuple[str, ...] = (), timeout: float = 600):
     cmd = [*launcher, "-m", "pytest", "-p", "no:cacheprovider", *args] if launcher else \
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = {k: v for k, v in cli_env().items() if not k.startswith("PYTEST_")}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

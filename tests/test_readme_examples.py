@@ -29,6 +29,8 @@ from pathlib import Path
 import hypothesis
 import pytest
 
+from conftest import cli_env
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "docs/fuzzing.md", "docs/invariance.md")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
@@ -62,7 +64,7 @@ def _run_examples(folder: Path) -> dict[str, tuple[int, str, str]]:
     for i, (_, command, _) in enumerate(examples()):
         (folder / str(i)).mkdir()
         argv = [sys.executable, "-m", "shardcheck", *shlex.split(command)[1:]]
-        procs[command] = subprocess.Popen(argv, cwd=folder / str(i), stdout=subprocess.PIPE,
+        procs[command] = subprocess.Popen(argv, cwd=folder / str(i), env=cli_env(), stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True)
     out = {}
     try:

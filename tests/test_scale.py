@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_env
 from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.report import SilentReport
 from shardcheck.scenarios import get_suite
@@ -42,7 +43,7 @@ def _free_port() -> int:
 def _two_nodes(args: list[str], cwd: Path, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents, two ranks each, meeting through a c10d rendezvous on loopback."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = {k: v for k, v in cli_env().items() if not k.startswith("PYTEST_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     # torchrun's agents make torchelastic_* folders they never remove: in the test's folder, not /tmp
     env["TMPDIR"] = str(cwd / "tmp")
