@@ -436,7 +436,8 @@ MIB = 2**20
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB and glibc")
-def test_peak_memory_grows_with_chunk_not_with_rows():
+def _peak_memory(folder):
+    """The three measuring processes, in the background: {config: (hwm growth, ru_maxrss growth, reset)}."""
     # Peak RSS is read as VmHWM of the child, i.e. the high-water mark that ru_maxrss reports
     # for the process's own image. ru_maxrss itself is not usable from a child of pytest: on
     # exec, Linux folds the parent's (pytest + torch, hundreds of MiB) peak into the child's
@@ -459,14 +460,26 @@ def test_peak_memory_grows_with_chunk_not_with_rows():
         )
         for name, (t, c) in configs.items()
     }
-    growth, maxrss, resets = {}, {}, {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"{name}: subprocess failed:\n{err}"
-        hwm_growth, maxrss_growth, reset = map(int, out.strip().splitlines()[-1].split())
-        growth[name] = hwm_growth
-        maxrss[name] = maxrss_growth
-        resets[name] = reset
+    measured = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"{name}: subprocess failed:\n{err}"
+            measured[name] = tuple(map(int, out.strip().splitlines()[-1].split()))
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    return configs, measured
+
+
+BACKGROUND = {"peak-memory": (_peak_memory, 180)}
+
+
+@pytest.mark.background("peak-memory")
+def test_peak_memory_grows_with_chunk_not_with_rows(background):
+    configs, measured = background("peak-memory")
+    growth, maxrss, resets = ({name: m[k] for name, m in measured.items()} for k in range(3))
 
     figures = ", ".join(
         f"{name} (T={t}, chunk={c}): {growth[name] / MIB:.1f} MiB"

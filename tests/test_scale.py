@@ -7,6 +7,7 @@ whose twelve processes each import torch afresh (in the background while other t
 tests/background.py).
 """
 
+import json
 import os
 import shutil
 import socket
@@ -16,22 +17,29 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
+from conftest import cli_env, run_cli
 from shardcheck.scenarios import get_suite
 
 BIN = Path(sys.executable).parent
 EXAMPLE = Path(__file__).parent.parent / "examples" / "pytest_multigpu" / "test_shardcheck_regressions.py"
 
 
+def _large_suite(folder):
+    """``shardcheck run --suite large --nproc 8``, in the background: (its run, its JSON report)."""
+    report = folder / "r.json"
+    proc = run_cli("run", "--suite", "large", "--nproc", "8", "--json-report", str(report), "-q", timeout=240)
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
 @pytest.mark.world
-def test_the_large_suite_passes_on_an_8_rank_world():
+@pytest.mark.background("large-suite")
+def test_the_large_suite_passes_on_an_8_rank_world(background):
     scenarios = get_suite("large")
     assert {(sc.tp, sc.cp) for sc in scenarios} == {(8, 1), (1, 8), (2, 4), (4, 2), (1, 1)}
-    result = runner.run(scenarios, "builtin", reporter=SilentReport(), nproc=8, timeout=60)
-    assert result.info.ranks == 8 and [v.status for v in result.verdicts] == ["pass"] * len(scenarios), \
-        [v.headline() for v in result.verdicts]
+    proc, doc = background("large-suite")
+    assert proc.returncode == 0 and doc is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert doc["ranks"] == 8 and [v["verdict"] for v in doc["scenarios"]] == ["pass"] * len(scenarios), \
+        [(v["name"], v["verdict"]) for v in doc["scenarios"]]
 
 
 def _free_port() -> int:
@@ -75,7 +83,7 @@ def _pytest_across_two_agents(folder: Path) -> list[subprocess.CompletedProcess]
 
 
 # both launches run in the background while other tests go on (tests/background.py)
-BACKGROUND = {"run-two-agents": (_run_across_two_agents, 2 * 240), "pytest-two-agents": (_pytest_across_two_agents, 2 * 240)}
+BACKGROUND = {"large-suite": (_large_suite, 240), "run-two-agents": (_run_across_two_agents, 2 * 240), "pytest-two-agents": (_pytest_across_two_agents, 2 * 240)}
 
 
 @pytest.mark.launch
