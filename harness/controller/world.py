@@ -212,6 +212,7 @@ class SpawnedWorld:
         # announced over the store) or a call announced on the board starts it again. Ranks still
         # working through calls are not hung.
         t_start = time.perf_counter()
+        self._cpu_wait.sample([p.pid for p in self._procs])  # the window's start: a busy controller polls seldom
         deadline, keys = t_start + limit, wire.progress(self._store, self._board)
         while len(results) < self.nproc:
             pending = [r for r in range(self.nproc) if r not in results]
