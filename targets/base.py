@@ -557,7 +557,6 @@ class Target(Protocol):
 
     def compute(self, inputs: RankInputs) -> RankOutputs: ...
 
-    def release(self) -> None:
-        """Undo whatever the target set in the process (imports, stubs, settings): the rank moves
-        on to another target. A target that sets nothing does nothing."""
-        ...
+    # optional (release() came after the first plugins; a target without it runs, with a notice):
+    # def release(self) -> None: undo whatever the target set in the process (imports, stubs,
+    # settings) when the rank moves on to another target; a target that sets nothing does nothing

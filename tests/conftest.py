@@ -269,11 +269,13 @@ def _queue(module: Any, name: str) -> None:
 def pytest_runtest_protocol(item, nextitem):
     calm = item.get_closest_marker("calm") is not None
     if calm:
-        _background.pause()
+        _background.pause()  # at once when already paused (the test before was calm too)
     try:
         yield
     finally:
-        if calm:
+        # a calm test followed by another (a parametrized pair): stay paused, so the next one does
+        # not wait out a run that began between them
+        if calm and (nextitem is None or nextitem.get_closest_marker("calm") is None):
             _background.resume()
 
 

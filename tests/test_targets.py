@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, run_on_world, write_scenarios
-from shardcheck.scenarios import Sample, Scenario, load_scenario_file
+from shardcheck.scenarios import Sample, Scenario, get_suite, load_scenario_file
 
 pytestmark = pytest.mark.world
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "naive_target"
@@ -66,3 +66,49 @@ def test_a_third_party_target_installed_as_a_plugin_runs(tmp_path, installed_plu
     by = {v["name"]: v for v in json.loads(report.read_text())["scenarios"]}
     assert by["thd-tp2cp1"]["verdict"] == "pass" and by["thd-tp1cp1"]["verdict"] == "pass"
     assert by["zigzag-tp1cp2"]["verdict"] == "skip" and "layout zigzag not supported" in by["zigzag-tp1cp2"]["reason"]
+
+
+class _LastMonthsTarget:
+    """A plugin written against the contract before release() was added to it."""
+
+    name = "last-month"
+
+    def __init__(self):
+        from shardcheck.targets import Capabilities
+
+        self.capabilities = Capabilities(layouts=frozenset({"thd"}))
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": "0.0.1"}
+
+    def compute(self, inputs):
+        from shardcheck.targets.builtin import BuiltinTarget
+
+        return BuiltinTarget().compute(inputs)
+
+
+def last_months_target():
+    return _LastMonthsTarget()
+
+
+def test_a_target_written_before_release_existed_still_runs_with_a_notice(world):
+    """`release()` joined the Target contract later; a plugin without it stopped every run ("does
+    not provide ... release()", exit 2). It runs, passing, with one FutureWarning naming what to add."""
+    import warnings
+
+    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.report import SilentReport
+    from shardcheck.targets import resolve
+
+    spec = "test_targets:last_months_target"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert resolve(spec).name == "last-month"
+        resolve(spec)  # once a spec and process
+    notices = [w for w in said if issubclass(w.category, FutureWarning)]
+    assert len(notices) == 1 and "has no release()" in str(notices[0].message), [str(w.message) for w in said]
+    sc = [s for s in get_suite("smoke") if s.name == "thd-tp2cp1-basic"]
+    result = runner.run(sc, spec, reporter=SilentReport(), world=world)
+    assert result.exit_code == 0, [v.headline() for v in result.verdicts]
+    result = runner.run(sc, "builtin", reporter=SilentReport(), world=world)  # the ranks move on from it
+    assert result.exit_code == 0, [v.headline() for v in result.verdicts]

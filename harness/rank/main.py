@@ -171,7 +171,9 @@ class RankRunner:
         if self._current not in (None, key):
             previous = self._targets.get(self._current)
             if previous is not None:
-                previous.release()
+                from shardcheck.targets import release
+
+                release(previous)
             self._targets.pop(self._current, None)
         self._current = key
         if key not in self._targets:
@@ -185,8 +187,10 @@ class RankRunner:
         and the groups' state reset (a joined world may be followed by another)."""
         from shardcheck.harness.rank import groups, trace
 
+        from shardcheck.targets import release
+
         for t in self._targets.values():
-            t.release()
+            release(t)
         self._targets.clear()
         self._current = None
         trace.reset()
