@@ -52,6 +52,9 @@ def distinct_paths(args: argparse.Namespace) -> None:
         return out
 
     inputs, outputs = given(INPUTS), given(OUTPUTS)
+    default = _default_out(args.command) if getattr(args, "out", None) is None else None
+    if default is not None:  # where fuzz and simulate write when --out is not given: an output all the same
+        outputs.append(("--out (default)", default, os.path.realpath(default)))
     for i, (flag, value, real) in enumerate(outputs):
         for in_flag, in_value, in_real in inputs:
             if real == in_real:
@@ -61,3 +64,16 @@ def distinct_paths(args: argparse.Namespace) -> None:
             if real == other_real:
                 raise BadInput(f"{flag} {value!r} and {other_flag} {other_value!r} are one file: one output would "
                                "overwrite the other (name two files)")
+
+
+def _default_out(command: str) -> str | None:
+    """Where ``command`` writes its minimal failing scenario when no --out is given."""
+    if command == "fuzz":
+        from shardcheck.harness.controller.fuzz import DEFAULT_OUT
+
+        return DEFAULT_OUT
+    if command == "simulate":
+        from shardcheck.harness.controller.simulate import DEFAULT_OUT
+
+        return DEFAULT_OUT
+    return None

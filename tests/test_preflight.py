@@ -37,6 +37,18 @@ def test_a_link_to_an_input_is_the_input(cli_in_process, tmp_path):
     assert json.loads(scenarios.read_text()) == SCENARIO
 
 
+def test_the_default_out_of_simulate_is_an_output_too(cli_in_process, tmp_path, monkeypatch):
+    """simulate writes its minimal failing scenario to .shardcheck/simulate-failure.json unless told
+    otherwise: handed that very file as its scenarios, it would overwrite them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".shardcheck").mkdir()
+    scenarios = tmp_path / ".shardcheck" / "simulate-failure.json"
+    scenarios.write_text(json.dumps(SCENARIO))
+    _refused(cli_in_process("simulate", "--scenario-file", ".shardcheck/simulate-failure.json"),
+             "--out (default) '.shardcheck/simulate-failure.json' is the --scenario-file")
+    assert json.loads(scenarios.read_text()) == SCENARIO
+
+
 def test_two_outputs_on_one_file_are_refused(cli_in_process, tmp_path):
     same = str(tmp_path / "x")
     _refused(cli_in_process("run", "--json-report", same, "--html-report", same), "are one file")
