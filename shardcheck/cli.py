@@ -501,7 +501,7 @@ def _invariance(args: argparse.Namespace) -> int:
     try:
         result = check_invariance(scenarios, args.target, axes=axes, expect=expect, nproc=args.nproc,
                                   timeout=args.timeout, backend=args.backend, on_run=progress,
-                                  on_base=on_base)
+                                  on_base=on_base, lockstep=not args.no_lockstep)
     finally:
         progress.close()
     on_base(result)

@@ -159,10 +159,12 @@ def test_the_command_writes_the_matrix_and_exits_1_on_a_violation(tmp_path, caps
     f = tmp_path / "s.json"
     f.write_text(json.dumps([dataclasses.replace(BASES[0], tp=1).to_dict()]))  # a world of one starts fastest
     report = tmp_path / "inv.json"
+    # --no-lockstep is the world's, as for run (it was accepted and dropped)
     code = main(["invariance", "--target", "builtin:packing_dependent", "--scenario-file", str(f), "-q",
-                 "--axis", "packing,order", "--json-report", str(report), "--nproc", "1"])
+                 "--axis", "packing,order", "--json-report", str(report), "--nproc", "1", "--no-lockstep"])
     out = capsys.readouterr().out
     assert code == 1, out
+    assert "1 ranks, lockstep off (--no-lockstep))" in out.splitlines()[0], out
     doc = json.loads(report.read_text())
     assert doc["complete"] and doc["contract"]["packing"] == "bitwise"
     assert doc["matrix"]["packing"]["log_probs"]["max_ulp"] >= 1 and doc["matrix"]["order"]["grad"]["max_ulp"] == 0

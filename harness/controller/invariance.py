@@ -313,6 +313,7 @@ class InvarianceInfo:
     complete: bool = False
     startup_seconds: list[float] = field(default_factory=list)  # one entry per world (re)start
     wall_seconds: float = 0.0
+    lockstep: bool = True  # the world's collective lockstep (invariance --no-lockstep: off)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -469,6 +470,7 @@ def check_invariance(
     world: World | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
     on_base: Callable[[InvarianceResult], None] | None = None,
+    lockstep: bool = True,
 ) -> InvarianceResult:
     """The invariance matrix of ``scenarios``' samples for a target, on one world started once
     (or the given one). ``expect`` overrides, axis by axis, what the target declares.
@@ -481,7 +483,7 @@ def check_invariance(
     target = controller_target(target_spec)
     contract = declared_contract(target) | (expect or {})
     size = world.nproc if world is not None else nproc or max(4, world_size_for(scenarios))
-    chosen = world_for(size, given=world, backend=backend, timeout=timeout)
+    chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     world, own_world, backend_why = chosen.world, chosen.owned, chosen.why
     def run(sc: Scenario) -> list[RankResult]:
         # outputs only: values against the reference and the in-place check are `run`'s business
@@ -493,7 +495,7 @@ def check_invariance(
     check = Invariance(target, axes, contract, size, run, on_run)
     res = check.result
     res.info = InvarianceInfo(target_spec, size, world.backend, backend_why,
-                              [sc.name for sc in scenarios])
+                              [sc.name for sc in scenarios], lockstep=bool(getattr(world, "lockstep", True)))
     t0 = time.perf_counter()
     try:
         if own_world:

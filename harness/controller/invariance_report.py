@@ -40,7 +40,7 @@ def render(result: InvarianceResult) -> str:
     t = result.target
     lines = [f"invariance of target {t.get('name', '?')} {t.get('version', '')}".rstrip()
              + f" ({len(result.info.bases)} base scenarios, {len(result.runs)} runs, "
-             f"{result.info.ranks} ranks)", ""]
+             f"{result.info.ranks} ranks{'' if result.info.lockstep else ', lockstep off (--no-lockstep)'})", ""]
     rows = [("axis", "expected", *QUANTITIES, "time")]
     for axis in result.axes:
         cells = result.matrix[axis]
