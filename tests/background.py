@@ -11,7 +11,8 @@ cores the suite's own process leaves much of the second core idle; these runs fi
   fixture: ``background("name")``. Runs are queued in the order their tests were collected and
   started once collection ends, one at a time: the machine never carries more than one extra load.
 - A test marked ``calm`` (it starves a rank of a CPU on purpose) runs with nothing in the
-  background: the run going on finishes first, and none starts until the test ends.
+  background: the run going on finishes first, and none starts until the test ends. Calm tests
+  run last (tests/conftest.py), when the queue has drained, so none waits on a run.
 - A run not begun when its test asks is run there and then, in the test's own thread; so is every
   run under pytest-xdist (each worker would otherwise start every run).
 """
