@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import types
 from argparse import Namespace
@@ -385,7 +386,6 @@ class SlimeLossTarget(SlimePolicyLossTarget):
     def __init__(self, src: str | None = None, layout: str = "framework", per_token: bool = False) -> None:
         super().__init__(src, layout)
         self.per_token = per_token  # slime's --calculate-per-token-loss
-        self._schedule: tuple[Any] | None = None  # (build_dp_schedule or None), read once
         self.capabilities = dataclasses.replace(self.capabilities, replay_keep=False)
         self.compatibility: set[str] = set()  # what was handed on otherwise than it came, and why
 
@@ -431,12 +431,15 @@ class SlimeLossTarget(SlimePolicyLossTarget):
             self.compatibility.add(INT_NORMALIZER)
         return loss, list(log.get("keys", [])), normalizer, log
 
+    @functools.cached_property
+    def _dp_schedule(self) -> Any:
+        """slime's build_dp_schedule at this checkout (None: before #1926), compiled once."""
+        return slime_schedule.build_dp_schedule(self.src)
+
     def split_batch(self, scenario: Any) -> list[list[tuple[int, ...]]] | None:
         """The step's global batch split as slime splits it (its build_dp_schedule), or None at a
         commit that splits otherwise (before #1926)."""
-        if self._schedule is None:
-            self._schedule = (slime_schedule.build_dp_schedule(self.src),)
-        build = self._schedule[0]
+        build = self._dp_schedule
         if build is None:
             return None
         return slime_schedule.split(build, [s.total for s in scenario.samples], scenario.dp, scenario.cp,

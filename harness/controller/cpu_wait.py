@@ -69,24 +69,21 @@ class CpuWait:
             return None
         return end_r - start_r, end_w - start_w, end_t - start_t
 
-    def starved(self, pid: int, window: float) -> str | None:
-        """Why ``pid`` missed a deadline because of the machine ("it waited 41.2s of the last
-        60.0s for a CPU ..."), or None: it had the CPU it asked for, or it ran (busy)."""
+    def judge(self, pid: int, window: float) -> tuple[str | None, str | None]:
+        """Whose ``pid``'s missed deadline was, from one look at its CPU time: (starved, busy).
+        starved: why it was the machine's ("it waited 41.2s of the last 60.0s for a CPU ...");
+        busy: what says it ran without reaching a call ("busy: it ran 3.1s ..."), the target's.
+        Both None: it waited on something (a collective, a sleep), or nothing is known."""
         got = self.share(pid, window)
         if got is None:
-            return None
+            return None, None
         ran, waited, seen = got
-        if waited < STARVED * seen or ran >= BUSY * seen:
-            return None
-        return (f"it waited {waited:.1f}s of the last {seen:.1f}s for a CPU and ran {ran:.1f}s (the machine is "
-                "busier than it has cores: not a finding of the target; give a longer --timeout or fewer processes)")
-
-    def busy(self, pid: int, window: float) -> str | None:
-        """What says ``pid`` was busy when it missed its deadline ("it ran 3.1s of the last
-        60.0s on a CPU, ..."), or None: it waited (a collective, a sleep) or nothing is known."""
-        got = self.share(pid, window)
-        if got is None or got[0] < BUSY * got[2]:
-            return None
-        ran, waited, seen = got
-        return (f"busy: it ran {ran:.1f}s of the last {seen:.1f}s on a CPU (and waited {waited:.1f}s for one) "
-                "without reaching a call: the code it was at loops or works past the deadline, whatever the load")
+        if ran >= BUSY * seen:
+            return None, (f"busy: it ran {ran:.1f}s of the last {seen:.1f}s on a CPU (and waited {waited:.1f}s for "
+                          "one) without reaching a call: the code it was at loops or works past the deadline, "
+                          "whatever the load")
+        if waited >= STARVED * seen:
+            return (f"it waited {waited:.1f}s of the last {seen:.1f}s for a CPU and ran {ran:.1f}s (the machine is "
+                    "busier than it has cores: not a finding of the target; give a longer --timeout or fewer "
+                    "processes)"), None
+        return None, None

@@ -119,8 +119,7 @@ class FakeWorld:
                         self._cpu_wait.sample([proc.pid])
                         if left > 0:
                             continue
-                        starved = self._cpu_wait.starved(proc.pid, self.timeout)
-                        busy = self._cpu_wait.busy(proc.pid, self.timeout)
+                        starved, busy = self._cpu_wait.judge(proc.pid, self.timeout)
                         self.close(politely=False)  # it never answered: end it, as a hung rank is ended
                         who = f"simulated rank {current}" if current is not None else "the simulated ranks"
                         if starved:

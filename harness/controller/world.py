@@ -350,15 +350,15 @@ class SpawnedWorld:
         closed (it restarts before the next scenario). ``blamed``: they are the cause (the rank
         that did not come heads the verdict). A rank that waited for a CPU through much of the
         last ``window`` seconds missed its deadline because of the machine: a ``timeout``."""
-        starved = {r: self._cpu_wait.starved(self._procs[r].pid, window) for r in pending}
-        busy = {r: self._cpu_wait.busy(self._procs[r].pid, window) for r in pending}
+        judged = {r: self._cpu_wait.judge(self._procs[r].pid, window) for r in pending}  # (starved, busy)
         stacks = self._stacks(pending)
         self._kill(pending)
         for r in pending:
+            starved, busy = judged[r]
             details = {"stack": stacks.get(r, "")} | ({"blamed": True} if blamed else {})
-            said = say(r, stacks.get(r) or "no stack available") + (f"; {busy[r]}" if busy[r] else "")
-            if starved[r]:
-                results[r] = RankResult.error(r, f"{said}; {starved[r]}", desync=True, details=details,
+            said = say(r, stacks.get(r) or "no stack available") + (f"; {busy}" if busy else "")
+            if starved:
+                results[r] = RankResult.error(r, f"{said}; {starved}", desync=True, details=details,
                                               kind=TIMEOUT)
             else:
                 results[r] = RankResult.error(r, said, desync=True, details=details)
