@@ -1,7 +1,8 @@
 """What a command line is checked for before any world starts, so that a mistake is one line and
 exit 2 and never a failure blamed on the code under test, nor a file of the user's overwritten:
 
-- the checks ``SHARDCHECK_CHECKS`` names import and are checks (every rank would fail on them);
+- the registered checks (the ``shardcheck.checks`` entry points) and those ``SHARDCHECK_CHECKS``
+  names load and are checks (every rank would fail on them);
 - no output (a report, a page, a script, a scenario written) lands on an input (a scenario file,
   a report read) or on another output of the same command, links resolved.
 """
@@ -28,17 +29,16 @@ def check(args: argparse.Namespace) -> None:
 
 
 def plugin_checks() -> None:
-    """The checks SHARDCHECK_CHECKS names, imported here as every rank would import them."""
-    from shardcheck.harness.rank.pipeline import EXTRA_ENV, extra_checks
+    """The registered checks (the ``shardcheck.checks`` entry points: shardcheck's own found
+    there, the plugins' loaded) and those ``SHARDCHECK_CHECKS`` names, loaded here as every rank
+    would load them."""
+    from shardcheck.harness.rank import pipeline
 
     try:
-        extra_checks()
-    except ValueError as exc:
+        pipeline.plugin_checks()
+        pipeline.extra_checks()
+    except pipeline.BadCheck as exc:
         raise BadInput(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001  (an import of the user's module: whatever it raises)
-        spec = os.environ.get(EXTRA_ENV, "")
-        raise BadInput(f"{EXTRA_ENV}={spec!r}: cannot import a check: {type(exc).__name__}: "
-                       f"{' '.join(str(exc).split())}") from None
 
 
 def distinct_paths(args: argparse.Namespace) -> None:

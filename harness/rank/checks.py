@@ -1,17 +1,36 @@
-"""The checks a rank runs on every scenario, in the order they are called at each point of its
-life (see :mod:`shardcheck.harness.rank.pipeline`): the one place they are listed. A plugin or a
-test adds its own through ``SHARDCHECK_CHECKS``."""
+"""How checks register, and the order the built-in ones are called in at each point of a life
+(see :mod:`shardcheck.harness.rank.pipeline`).
+
+Every check registers in the ``shardcheck.checks`` entry-point group, shardcheck's own too
+(pyproject.toml): a plugin's package declares ``NAME = "module:Class"`` there and is run once it
+is installed. The built-ins are called first, in :data:`BUILT_IN`'s order, then the plugins',
+by name; ``SHARDCHECK_CHECKS`` (``module:Class``, comma-separated) adds checks after those, for
+a test or a check not packaged (the way plugins registered before the group existed).
+"""
 
 from __future__ import annotations
 
-from shardcheck.harness.rank.compare import ReferenceComparison
-from shardcheck.harness.rank.form import OutputForm
-from shardcheck.harness.rank.inplace import InputsUnchanged
-from shardcheck.harness.rank.lockstep import CollectiveTrace
-from shardcheck.harness.rank.outputs import OutputCapture
-from shardcheck.harness.rank.pipeline import Check
+from typing import Any
 
-# CollectiveTrace first: it frames the scenario (every collective from its begin on is traced);
-# InputsUnchanged next: a write into the inputs is seen before anything reads them again;
-# OutputForm before the comparison: it ends the life where the outputs cannot be read
-CHECKS: tuple[type[Check], ...] = (CollectiveTrace, InputsUnchanged, OutputForm, ReferenceComparison, OutputCapture)
+GROUP = "shardcheck.checks"
+
+# The built-ins' entry-point names, in the order they are called (a plugin's come after them):
+# collective_trace first: it frames the scenario (every collective from its begin on is traced);
+# inputs_unchanged next: a write into the inputs is seen before anything reads them again;
+# output_form before the comparison: it ends the life where the outputs cannot be read.
+BUILT_IN: tuple[str, ...] = ("collective_trace", "inputs_unchanged", "output_form", "reference_comparison",
+                             "output_capture")
+
+
+def __getattr__(name: str) -> Any:
+    # CHECKS, the built-in classes in their order, for callers that name them first
+    # (pipeline_for adds every registered check itself). Loaded through the group on first use;
+    # () where they cannot be loaded: pipeline_for then reports why, as the check that failed.
+    if name == "CHECKS":
+        from shardcheck.harness.rank.pipeline import BadCheck, registered_checks
+
+        try:
+            return registered_checks()[:len(BUILT_IN)]
+        except BadCheck:
+            return ()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

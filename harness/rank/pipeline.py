@@ -22,9 +22,11 @@ the step as a whole reaches one point of its own:
 A check is a :class:`Check` in a module of its own that implements the points it needs and adds
 what it finds to ``life.found`` (``life.errors`` for the worst error per field); the rank's
 core (``main.RankRunner``) calls every check at every point and knows nothing of what they look
-for. The built-in checks are listed in one place (:mod:`shardcheck.harness.rank.checks`); a
-plugin or a test adds its own by naming them in ``SHARDCHECK_CHECKS`` (``module:Class``,
-comma-separated; every rank reads the controller's ``SHARDCHECK_*`` settings).
+for. Checks register in the ``shardcheck.checks`` entry-point group, the built-ins too, whose
+order is declared in one place (:mod:`shardcheck.harness.rank.checks`); a plugin's package
+registers its own there, and a test or an unpackaged check may still be named in
+``SHARDCHECK_CHECKS`` (``module:Class``, comma-separated; every rank reads the controller's
+``SHARDCHECK_*`` settings), which adds it after the registered ones.
 
 The life is framed by points of its own, each given the :class:`Frame` (the scenario's number,
 the world's lockstep, what was found so far): ``begin`` (before anything of the scenario, so a
@@ -37,8 +39,10 @@ lockstep check use them (``lockstep.CollectiveTrace``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,19 +221,112 @@ def _owned_by(check: Check, point: str) -> Iterator[None]:
         raise CheckRaised(check, point, exc) from exc
 
 
-def pipeline_for(flags: Checks, listed: Sequence[type[Check]]) -> Pipeline:
-    """The listed checks and those ``SHARDCHECK_CHECKS`` adds that this scenario asks for."""
-    return Pipeline([cls() for cls in [*listed, *extra_checks()] if cls.wanted(flags)])
+class BadCheck(ValueError):
+    """A registered check, or one ``SHARDCHECK_CHECKS`` names, that cannot be loaded or is no
+    :class:`Check`: one line, said before any world starts (shardcheck/preflight.py)."""
+
+
+def pipeline_for(flags: Checks, listed: Sequence[type[Check]] = ()) -> Pipeline:
+    """The checks this scenario asks for: ``listed`` first (the built-ins, where a caller names
+    them), then every registered check, then those ``SHARDCHECK_CHECKS`` adds; each once. A check
+    that cannot be loaded here (the controller's preflight let it through: a run in process, a
+    rank's other path) is an :class:`Unloadable` that fails the scenario as the harness's error."""
+    try:
+        found = [*listed, *registered_checks(), *extra_checks()]
+    except Exception as exc:  # noqa: BLE001  (a plugin's import: whatever it raises)
+        found = [*listed, unloadable(exc)]
+    return Pipeline([cls() for cls in dict.fromkeys(found) if cls.wanted(flags)])
+
+
+def registered_checks() -> tuple[type[Check], ...]:
+    """Every check in the ``shardcheck.checks`` entry-point group: the built-ins first, in the
+    order ``checks.BUILT_IN`` declares, then the others by name. BadCheck (one line) for one that
+    cannot be loaded or is no Check, a name registered twice, or a built-in missing (shardcheck's
+    own metadata older than its code: it must be reinstalled, never run without its checks)."""
+    return _registered(tuple(sys.path))
+
+
+def plugin_checks() -> tuple[type[Check], ...]:
+    """The registered checks that are not shardcheck's own, loaded (BadCheck as above); the
+    built-ins are only found registered, not imported (they import torch: a command line's
+    preflight must not pay for it)."""
+    from shardcheck.harness.rank.checks import BUILT_IN
+
+    return tuple(_load(ep) for ep in _entry_points(tuple(sys.path)) if ep.name not in BUILT_IN)
+
+
+@functools.lru_cache(maxsize=4)
+def _registered(path: tuple[str, ...]) -> tuple[type[Check], ...]:
+    # once per process and search path: a rank calls it for every scenario
+    return tuple(_load(ep) for ep in _entry_points(path))
+
+
+def _entry_points(path: tuple[str, ...]) -> list[Any]:
+    """The group's entry points in the order their checks are called (``path``: sys.path, what
+    they are found on)."""
+    from importlib.metadata import entry_points
+
+    from shardcheck.harness.rank.checks import BUILT_IN, GROUP
+
+    points: dict[str, Any] = {}
+    for ep in entry_points(group=GROUP):
+        if ep.name in points and points[ep.name].value != ep.value:
+            raise BadCheck(f"the check {ep.name!r} is registered twice in {GROUP} ({_origin(points[ep.name])} and "
+                           f"{_origin(ep)}): uninstall one")
+        points.setdefault(ep.name, ep)
+    missing = [name for name in BUILT_IN if name not in points]
+    if missing:
+        raise BadCheck(f"shardcheck's own check(s) {', '.join(missing)} are not registered in {GROUP}: its install "
+                       "is older than its code (pip install -e . again)")
+    return [points[name] for name in [*BUILT_IN, *sorted(set(points) - set(BUILT_IN))]]
+
+
+def _origin(ep: Any) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{ep.value} from {dist.name} {dist.version}" if dist is not None else ep.value
+
+
+def _load(ep: Any) -> type[Check]:
+    try:
+        cls = ep.load()
+    except Exception as exc:  # noqa: BLE001  (a plugin's import: whatever it raises)
+        from shardcheck.harness.rank.checks import GROUP
+
+        raise BadCheck(f"the check {ep.name!r} registered in {GROUP} ({_origin(ep)}) cannot be loaded: "
+                       f"{type(exc).__name__}: {' '.join(str(exc).split())}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Check)):
+        raise BadCheck(f"the check {ep.name!r} registered as {_origin(ep)} is not a shardcheck Check")
+    return cls
 
 
 def extra_checks(spec: str | None = None) -> list[type[Check]]:
-    """The checks named in ``SHARDCHECK_CHECKS`` (``module:Class``, comma-separated)."""
+    """The checks named in ``SHARDCHECK_CHECKS`` (``module:Class``, comma-separated), added
+    after the registered ones (a check registered both ways runs once)."""
     spec = os.environ.get(EXTRA_ENV, "") if spec is None else spec
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
         module, _, name = item.partition(":")
-        cls = getattr(importlib.import_module(module), name, None)
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except Exception as exc:  # noqa: BLE001  (the user's module: whatever its import raises)
+            raise BadCheck(f"{EXTRA_ENV}={spec!r}: cannot import a check: {type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())}") from None
         if not (isinstance(cls, type) and issubclass(cls, Check)):
-            raise ValueError(f"{EXTRA_ENV}: {item!r} is not a shardcheck Check")
+            raise BadCheck(f"{EXTRA_ENV}: {item!r} is not a shardcheck Check")
         out.append(cls)
     return out
+
+
+def unloadable(exc: BaseException) -> type[Check]:
+    """A stand-in for the checks that could not be loaded: it raises why at ``begin``, so the
+    scenario is an error of the harness (exit 2) naming the check, not a rank that dies."""
+    why = str(exc) if isinstance(exc, BadCheck) else f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+    class Unloadable(Check):
+        kind = "harness_error"
+
+        def begin(self, frame: Frame) -> None:
+            raise BadCheck(why)
+
+    Unloadable.__qualname__ = "Unloadable"  # named so in the verdict, not by where it was made
+    return Unloadable
