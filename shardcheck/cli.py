@@ -407,7 +407,7 @@ def _check_coverage(spec: str) -> None:
     if importlib.util.find_spec("coverage") is None:
         raise BadInput("--coverage needs coverage.py: pip install 'shardcheck[coverage]' (or coverage)")
     target = controller_target(spec)
-    if not getattr(target, "framework_files", ()) or getattr(target, "src", None) is None:
+    if not target.framework_files or target.src is None:
         raise BadInput(f"--coverage: target {spec!r} names no framework source files (a target from a "
                        "framework's checkout sets src and framework_files)")
 

@@ -27,9 +27,10 @@ if TYPE_CHECKING:  # base imports torch: at run time only where it is needed (se
 
 GROUP = "shardcheck.targets"
 
-__all__ = ["Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "TargetConfig", "available",
-           "loss_form", "resolve"]
-_FROM_BASE = ("Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "TargetConfig", "loss_form")
+__all__ = ["CONTRACT_VERSION", "Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "TargetBase",
+           "TargetConfig", "available", "loss_form", "resolve"]
+_FROM_BASE = ("CONTRACT_VERSION", "Capabilities", "PolicyBatch", "RankInputs", "RankOutputs", "Target", "TargetBase",
+              "TargetConfig", "loss_form")
 
 
 def __getattr__(name: str) -> Any:
@@ -138,37 +139,17 @@ def _build(spec: str, obj: Any, variant: str | None, config: TargetConfig) -> Ta
             raise BadInput(f"target {spec!r} could not be built: {type(exc).__name__}: {exc}") from None
     if not _is_target(target):
         raise BadInput(f"target {spec!r} does not provide name, capabilities, describe() and compute()")
-    if not callable(getattr(target, "release", None)):
-        _say_release_missing(spec)
-    return target
+    from shardcheck.targets.contract import adopt
 
-
-# the members a target must have; release() came later and is optional (a plugin written before it
-# keeps working: shardcheck then has nothing to undo when a rank moves on, and says so once)
-REQUIRED = ("name", "capabilities", "describe", "compute")
-_SAID: set[str] = set()
+    return adopt(target, spec)
 
 
 def _is_target(obj: Any) -> bool:
-    if isinstance(obj, type) or not all(hasattr(obj, member) for member in REQUIRED):
-        return False
-    return callable(obj.describe) and callable(obj.compute)
+    from shardcheck.targets.contract import is_target
+
+    return is_target(obj)
 
 
-def _say_release_missing(spec: str) -> None:
-    """A notice, once a spec and process: the target has no release() (deprecated, not refused)."""
-    import warnings
-
-    if spec in _SAID:
-        return
-    _SAID.add(spec)
-    warnings.warn(f"target {spec!r} has no release(): shardcheck calls it when a rank moves to another target, to "
-                  "undo what the target set process-wide; define it (doing nothing if the target sets nothing). "
-                  "A target without it still runs.", FutureWarning, stacklevel=3)
-
-
-def release(target: Any) -> None:
-    """Undo what ``target`` set in the process: its release(), where it has one."""
-    undo = getattr(target, "release", None)
-    if callable(undo):
-        undo()
+def release(target: Target) -> None:
+    """Undo what ``target`` set in the process (kept for callers of earlier versions: ``target.release()``)."""
+    target.release()

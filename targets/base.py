@@ -27,7 +27,8 @@ its framework splits the global batch (None where its commit has no splitter of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -298,12 +299,12 @@ class Definitions:
         return out
 
 
-def definitions(target: Any) -> Definitions:
+def definitions(target: Target) -> Definitions:
     """The definitions ``target`` declares (the reference's defaults where it declares none)."""
-    return getattr(target, "definitions", None) or Definitions()
+    return target.definitions or Definitions()
 
 
-def description(target: Any) -> dict[str, Any]:
+def description(target: Target) -> dict[str, Any]:
     """``target.describe()`` with the definitions it declares, for every report."""
     out = dict(target.describe())
     declared = definitions(target).describe()
@@ -388,12 +389,12 @@ class DataPath(Protocol):
     def local_tokens(self, rollout: Rollout) -> torch.Tensor: ...
 
 
-def data_path(target: Any) -> DataPath | None:
+def data_path(target: Target) -> DataPath | None:
     """The target's own data path, if it has one."""
-    return getattr(target, "data_path", None)
+    return target.data_path
 
 
-def knob_skip_reason(target: Any, scenario: Scenario) -> str | None:
+def knob_skip_reason(target: Target, scenario: Scenario) -> str | None:
     """Why ``target`` cannot run ``scenario``'s layout knobs (it has no such knob: a skip), or
     None; BadInput (one line, exit 2) for a value the knob does not take."""
     if not scenario.layout_knobs:  # first: asked of every scenario of a file of half a million
@@ -402,7 +403,7 @@ def knob_skip_reason(target: Any, scenario: Scenario) -> str | None:
 
     path = data_path(target)
     if path is None:
-        return (f"target {getattr(target, 'name', '?')} lays out no rows with a framework's code: it has no "
+        return (f"target {target.name} lays out no rows with a framework's code: it has no "
                 f"layout knob {scenario.layout_knobs[0][0]}")
     knobs = path.knobs()
     for key, value in scenario.layout_knobs:
@@ -510,46 +511,77 @@ class RankOutputs:
     reported: dict[str, Any] | None = None
 
 
-def loss_form(target: Any) -> str:
+def loss_form(target: Target) -> str:
     """"weighted" (the harness builds the loss) unless the target says "policy" or "step"."""
-    return getattr(target, "loss_form", "weighted")
+    return target.loss_form
 
 
-def step_batches(target: Any, scenario: Scenario) -> tuple[list[list[tuple[int, ...]]], str]:
+def step_batches(target: Target, scenario: Scenario) -> tuple[list[list[tuple[int, ...]]], str]:
     """Per data-parallel replica of ``scenario``, the sample indices of its micro-batches, and
     whose split it is: the target's own ``split_batch(scenario)`` (its framework's splitter)
     where it has one that answers, else megatron's rules (:mod:`shardcheck.scenarios.batch`).
     ValueError where the framework's splitter refuses the sizes."""
-    own = getattr(target, "split_batch", None)
-    batches = own(scenario) if own is not None else None
+    batches = target.split_batch(scenario)
     if batches is not None:
-        return batches, f"{getattr(target, 'name', 'the target')}'s split_batch"
+        return batches, f"{target.name}'s split_batch"
     return [scenario.micro_batches(r) for r in range(scenario.dp)], "megatron's rules (scenarios/batch.py)"
 
 
-def step_skip_reason(target: Any, scenario: Scenario) -> str | None:
+def step_skip_reason(target: Target, scenario: Scenario) -> str | None:
     """Why ``target`` cannot run ``scenario``'s training step (its loss is not a training
     step's, or its framework's splitter refuses the global batch), or None."""
     if scenario.step and loss_form(target) == "step":
         try:
             step_batches(target, scenario)
         except ValueError as exc:
-            return f"{getattr(target, 'name', 'this target')} cannot split this global batch: {exc}"
+            return f"{target.name} cannot split this global batch: {exc}"
     if scenario.step and loss_form(target) != "step":
         count = len(scenario.micro_batches(0))
         return (f"a training step (dp {scenario.dp}, {count} micro-batch{'es' if count > 1 else ''} a replica), and "
-                f"{getattr(target, 'name', 'this target')}'s loss is not one (a target with loss_form 'step' runs it: "
+                f"{target.name}'s loss is not one (a target with loss_form 'step' runs it: "
                 "docs/training.md)")
     return None
 
 
+# The Target contract's version, and what each version added (docs/targets.md, "The contract").
+# A plugin written against any of them runs unchanged: what it lacks takes TargetBase's default,
+# with a one-line notice in the run's header (targets.contract.adopt).
+CONTRACT_VERSION = 6
+CONTRACT_HISTORY: dict[int, tuple[str, tuple[str, ...]]] = {
+    1: ("2026-12-02", ("name", "capabilities", "describe", "compute", "loss_form", "invariance")),
+    2: ("2026-12-03", ("data_path", "training_loss", "src", "framework_files")),
+    3: ("2026-12-04", ("definitions",)),
+    4: ("2026-12-04", ("release",)),
+    5: ("2026-12-05", ("repro_call", "split_batch", "logged_loss", "calculate_per_token_loss")),
+    6: ("2026-12-05", ("contract", "declares", "implementation")),
+}
+
+
 @runtime_checkable
 class Target(Protocol):
+    """Every member the harness reads of a target. ``name``, ``capabilities``, ``describe()`` and
+    ``compute()`` are a target's own; the others have defaults in :class:`TargetBase`, which a
+    target derives from (a plugin that does not is adopted: ``targets.contract``)."""
+
     name: str
     capabilities: Capabilities
-    # optional: loss_form = "policy" or "step" (see the module docstring)
-    # optional: invariance = {"packing": "bitwise", "tp": "ulp:8", ...}, the contract that
-    # ``shardcheck invariance`` holds the target to (its axes: ``shardcheck invariance --help``)
+    # "weighted" (the harness builds the loss), "policy" or "step" (the module docstring)
+    loss_form: str
+    # the contract ``shardcheck invariance`` holds the target to: {"packing": "bitwise", "tp":
+    # "ulp:8", ...} (its axes: ``shardcheck invariance --help``)
+    invariance: Mapping[str, str]
+    # where its definitions differ from the reference's
+    definitions: Definitions
+    # its framework's own data path (None: the harness lays the rows out)
+    data_path: DataPath | None
+    # its loss is a training step's: with CP the model's own CP collective runs in backward
+    training_loss: bool
+    # megatron-core's calculate_per_token_loss as its framework sets it (None: from the objective)
+    calculate_per_token_loss: bool | None
+    # its framework's checkout, and the files of it that --coverage reports on
+    src: Any
+    framework_files: tuple[str, ...]
+    contract: int
 
     def describe(self) -> dict[str, Any]:
         """Name, version and anything else a report should carry."""
@@ -557,6 +589,78 @@ class Target(Protocol):
 
     def compute(self, inputs: RankInputs) -> RankOutputs: ...
 
-    # optional (release() came after the first plugins; a target without it runs, with a notice):
-    # def release(self) -> None: undo whatever the target set in the process (imports, stubs,
-    # settings) when the rank moves on to another target; a target that sets nothing does nothing
+    def release(self) -> None:
+        """Undo whatever the target set in the process (imports, stubs, settings) when the rank
+        moves on to another target."""
+        ...
+
+    def repro_call(self) -> str | None:
+        """How a standalone script calls its code (``shardcheck repro``); None: it cannot say."""
+        ...
+
+    def split_batch(self, scenario: Scenario) -> list[list[tuple[int, ...]]] | None:
+        """Per data-parallel replica, its micro-batches' sample indices as its framework splits
+        the global batch; None: megatron's rules."""
+        ...
+
+    def logged_loss(self, reported: list[dict[str, Any]], sizes: StepSizes) -> Any:
+        """The loss its framework logs for a training step (the module docstring); None where
+        its commit aggregates none."""
+        ...
+
+    def declares(self, member: str) -> bool:
+        """Whether the target has ``member`` of its own, not TargetBase's default."""
+        ...
+
+    def implementation(self) -> Any:
+        """The object whose code is under test (itself, or an adopted plugin)."""
+        ...
+
+
+class TargetBase:
+    """The defaults of every optional member of :class:`Target`: a target derives from it and
+    sets ``name``, ``capabilities``, ``describe()`` and ``compute()``."""
+
+    contract: int = CONTRACT_VERSION
+    name: str
+    capabilities: Capabilities = Capabilities()
+    loss_form: str = "weighted"
+    invariance: Mapping[str, str] = MappingProxyType({})
+    definitions: Definitions = Definitions()
+    data_path: DataPath | None = None
+    training_loss: bool = False
+    calculate_per_token_loss: bool | None = None
+    src: Any = None
+    framework_files: tuple[str, ...] = ()
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        raise TypeError(f"target {self.name!r} defines no compute()")
+
+    def release(self) -> None:
+        """Nothing to undo: the target sets nothing process-wide."""
+
+    def repro_call(self) -> str | None:
+        return None
+
+    def split_batch(self, scenario: Scenario) -> list[list[tuple[int, ...]]] | None:
+        return None
+
+    def logged_loss(self, reported: list[dict[str, Any]], sizes: StepSizes) -> Any:
+        return None
+
+    def declares(self, member: str) -> bool:
+        if member not in OPTIONAL_MEMBERS:
+            raise ValueError(f"{member!r} is not an optional member of the Target contract")
+        return getattr(type(self), member, None) is not getattr(TargetBase, member)
+
+    def implementation(self) -> Any:
+        return self
+
+
+# what a target may leave to TargetBase, in the order the contract added it
+OPTIONAL_MEMBERS = tuple(m for _, (_, added) in sorted(CONTRACT_HISTORY.items()) for m in added
+                         if m not in ("name", "capabilities", "describe", "compute", "contract", "declares",
+                                      "implementation"))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetBase
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
@@ -124,7 +124,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None, None
 
 
-class BuiltinTarget:
+class BuiltinTarget(TargetBase):
     """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
 
     name = "builtin"

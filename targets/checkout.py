@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from shardcheck.errors import BadInput
+from shardcheck.targets.base import TargetBase
 from shardcheck.targets.source import Framework
 from shardcheck.targets.stub import Stub
 
@@ -156,7 +157,7 @@ class Checkout:
         self._prepared = False
 
 
-class CheckoutTarget:
+class CheckoutTarget(TargetBase):
     """The base of a framework target loaded from a checkout. A subclass sets :attr:`framework`
     and :attr:`name`, reads its era from ``self.src`` and calls the framework's functions from
     :meth:`import_module`; it drops what it built from them in :meth:`forget` and adds its own

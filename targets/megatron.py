@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetBase
 
 
-class MegatronTarget:
+class MegatronTarget(TargetBase):
     """megatron-core tensor_parallel.vocab_parallel_cross_entropy (log-probs only; no entropy)"""
 
     name = "megatron"

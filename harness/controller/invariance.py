@@ -100,8 +100,8 @@ def check_axes(axes: Sequence[str]) -> list[str]:
 
 def declared_contract(target: Any) -> dict[str, Expect]:
     """What a target declares: ``invariance = {"packing": "bitwise", "tp": "ulp:8", ...}``."""
-    declared = getattr(target, "invariance", None) or {}
-    return {axis: Expect.parse(str(v), f"target {getattr(target, 'name', '?')} declares {axis}")
+    declared = target.invariance or {}
+    return {axis: Expect.parse(str(v), f"target {target.name} declares {axis}")
             for axis, v in declared.items() if axis in AXES}
 
 

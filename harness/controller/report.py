@@ -283,6 +283,8 @@ class TerminalReport:
         if not self.quiet:
             print(f"shardcheck: target {t.get('name', '?')} {t.get('version', '')}".rstrip()
                   + f", {total:,} scenarios, {info.ranks} ranks ({info.backend})", file=self.err)
+            if t.get("contract_notice"):
+                print(f"shardcheck: notice: {t['contract_notice']}", file=self.err)
 
     def add(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)
@@ -351,6 +353,8 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
             lines.append(f"  ... {len(printed) - MAX_OUTPUT_SHOWN} more in the JSON report")
     lines.append("")
     lines.append(_target_line(info.target))
+    if info.target.get("contract_notice"):
+        lines.append(f"notice: {info.target['contract_notice']}")
     defined = definitions_line(info.target)
     if defined:
         lines.append(defined)
@@ -431,7 +435,7 @@ def _target_line(target: dict[str, Any]) -> str:
     """``target: NAME VERSION (key: value; ...)``: whatever the target's describe() says."""
     line = f"target: {target.get('name', '?')} {target.get('version', '')}".rstrip()
     rest = [f"{k.replace('_', ' ')}: {_plain(v)}" for k, v in target.items()
-            if k not in ("name", "version", "definitions") and v not in (None, "", [], {}, ())]
+            if k not in ("name", "version", "definitions", "contract_notice") and v not in (None, "", [], {}, ())]
     return line + (f" ({'; '.join(rest)})" if rest else "")
 
 

@@ -81,7 +81,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, A
     built_by = data_path(target).name if built else None  # the framework's code lays the rows out
     if built and not layouts:
         raise RuntimeError(f"{sc.name}: the target's data path lays out its rows; give the run's layouts")
-    src = str(target.src) if getattr(target, "src", None) is not None else _source_tree()
+    src = str(target.src) if target.src is not None else _source_tree()
     variant = spec.partition(":")[2]
     case = {
         "target": spec,
@@ -140,7 +140,7 @@ def refusal(target: Any, scenario: Scenario) -> str | None:
 def target_refusal(target: Any) -> str | None:
     """Why no script can be written for ``target`` (a target whose data path the script cannot
     run says so by having no repro call)."""
-    if not (hasattr(target, "repro_call") and target.repro_call()):
+    if not target.repro_call():
         return "the target cannot say how it calls its code (it has no repro_call)"
     if loss_form(target) != "weighted":
         return "the target computes its own loss: repro does not write those yet"

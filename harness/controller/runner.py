@@ -141,7 +141,7 @@ def run(
     info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace,
                    repro=repro if target_refusal(target) is None else None, target_config=_target_config(target),
                    mask_leak=mask_leak)
-    reach = Reach(str(target.src) if getattr(target, "src", None) is not None else None) if coverage else None
+    reach = Reach(str(target.src) if target.src is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
     verdicts = [(i, Verdict(scenarios[i], SKIP, reason=why)) for i, why in skips.items()]
     for _, v in verdicts:
@@ -192,5 +192,5 @@ def run(
 def _target_config(target: Any) -> dict[str, Any]:
     """The target's checkout (as resolved) and options, as a report keeps them."""
     config = TargetConfig.from_environment()
-    src = getattr(target, "src", None)
+    src = target.src
     return {"src": str(src) if src is not None else config.src, "options": [list(kv) for kv in config.options]}

@@ -30,12 +30,13 @@ from shardcheck.harness.wire import EXPLAIN, VALUE_MISMATCH, Failure, short_path
 
 def compute_site(target: Any) -> str:
     """Where the target's ``compute`` is defined: ``path:line in compute``."""
-    fn = getattr(type(target), "compute", None) or getattr(target, "compute", None)
+    code = target.implementation()
+    fn = type(code).compute
     try:
         fn = inspect.unwrap(fn)
         return f"{short_path(inspect.getsourcefile(fn) or '?')}:{inspect.getsourcelines(fn)[1]} in compute"
     except (TypeError, OSError):
-        return f"{type(target).__module__}.{type(target).__name__}.compute"
+        return f"{type(code).__module__}.{type(code).__name__}.compute"
 
 
 def not_outputs(outputs: Any, site: str, rank: int) -> Failure | None:

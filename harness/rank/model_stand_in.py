@@ -39,6 +39,6 @@ class ModelCpCollective(torch.autograd.Function):
 def model_output(leaf: torch.Tensor, target: Any, cp: int, cp_group: Any) -> torch.Tensor:
     """The logits a target gets: a non-leaf (a model's output), through the model's CP
     collective when the target's loss is the training step's and cp > 1."""
-    if cp > 1 and getattr(target, "training_loss", False):
+    if cp > 1 and target.training_loss:
         return ModelCpCollective.apply(leaf, cp_group)
     return leaf.clone()

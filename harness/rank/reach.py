@@ -17,8 +17,7 @@ from typing import Any
 
 def framework_files(target: Any) -> dict[str, str]:
     """{path relative to the checkout: absolute path} of the target's framework files that exist."""
-    src = getattr(target, "src", None)
-    files = getattr(target, "framework_files", ())
+    src, files = target.src, target.framework_files
     if src is None or not files:
         return {}
     out = {}

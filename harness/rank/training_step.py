@@ -291,9 +291,8 @@ def logged_loss(step: Step, ran: Ran) -> tuple[Any, str]:
     from shardcheck.harness.rank import groups, trace
     from shardcheck.targets.base import StepSizes
 
-    aggregate = getattr(step.target, "logged_loss", None)
-    if aggregate is None:
-        return None, f"not compared: {getattr(step.target, 'name', 'the target')} has no logged_loss"
+    if not step.target.declares("logged_loss"):
+        return None, f"not compared: {step.target.name} has no logged_loss"
     whole = len(ran.reported) == len(step.micro) and all(isinstance(r, dict) and r for r in ran.reported)
     every = torch.tensor([1 if whole else 0], device=step.runner.device or "cpu")
     dist.all_reduce(every, op=dist.ReduceOp.MIN)
@@ -301,9 +300,9 @@ def logged_loss(step: Step, ran: Ran) -> tuple[Any, str]:
         return None, "not compared: a micro-batch on some rank reported nothing (its failure is reported)"
     with trace.labelled("logged loss"):
         view = StepSizes(len(step.micro), step.global_batch, step.dp_size, step.scenario.cp, groups.dp_cp_group())
-        value = aggregate(ran.reported, view)
+        value = step.target.logged_loss(ran.reported, view)
     if value is None:
-        return None, f"not compared: {getattr(step.target, 'name', 'the target')}'s commit has no aggregation of it"
+        return None, f"not compared: {step.target.name}'s commit has no aggregation of it"
     # a value that is no number raises here, the target's (not in the check that compares it)
     return torch.as_tensor(value).detach(), "compared with the objective's value over the global batch"
 
@@ -312,7 +311,7 @@ def per_token_loss(target: Any, defined: Any) -> bool:
     """megatron-core's ``calculate_per_token_loss`` as the framework sets it: the target's own
     ``calculate_per_token_loss`` where it has one, else whether its objective is the token mean
     (the three-value form whose count megatron divides by)."""
-    knob = getattr(target, "calculate_per_token_loss", None)
+    knob = target.calculate_per_token_loss
     return defined.objective == "token_mean" if knob is None else bool(knob)
 
 

@@ -1,0 +1,178 @@
+"""The Target contract: one protocol, its defaults in TargetBase, and plugins written against
+earlier versions of it running unchanged.
+
+tests/fixtures/plugins/ holds three third-party targets, each written against the interface
+docs/targets.md documented at an earlier commit of main (7ffb247, 9c5ca4d, 5f5c698), and the
+verdicts each gave when run at that commit (verdicts.json says how they were recorded). They are
+installed as real packages with entry points, into a folder of their own, and run as a user runs
+them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from conftest import TESTS, cli_env
+
+ROOT = TESTS.parent
+PLUGINS = TESTS / "fixtures" / "plugins"
+RECORDED = json.loads((PLUGINS / "verdicts.json").read_text())
+
+
+def _earlier_plugins(folder: Path) -> dict:
+    site = folder / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
+           "--no-build-isolation", "--target", str(site)]
+    build = folder / "build"  # pip builds in a copy: the fixtures' folders stay as committed
+    dirs = [str(shutil.copytree(PLUGINS / name, build / name)) for name in sorted({r["plugin"] for r in RECORDED["runs"]})]
+    installed = subprocess.run(pip + dirs, capture_output=True, text=True, timeout=300)
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(TESTS), env.get("PYTHONPATH")]))
+    out = {"install": installed, "runs": {}}
+    if installed.returncode:
+        return out
+    cli = [sys.executable, "-m", "shardcheck"]
+    out["targets"] = subprocess.run(cli + ["targets"], capture_output=True, text=True, timeout=120, env=env)
+    for run in RECORDED["runs"]:
+        if run["spec"] == "dec03":  # its chunked variant runs the same code, with a variant and an option
+            continue
+        report = folder / f"{run['spec'].replace(':', '_')}.json"
+        proc = subprocess.run(cli + ["run", "--target", run["spec"], "--scenario-file", str(PLUGINS / "scenarios.json"),
+                                     *run["options"], "--json-report", str(report)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        out["runs"][run["spec"]] = (proc, json.loads(report.read_text()) if report.exists() else None)
+    return out
+
+
+BACKGROUND = {"earlier-plugins": (_earlier_plugins, 1300)}
+
+
+@pytest.mark.background("earlier-plugins")
+def test_plugins_written_against_earlier_contracts_run_unchanged(background):
+    """Each gives, at this commit, the verdicts it gave at its own (a pass that needs its declared
+    definitions followed, skips with its own reasons), with one notice in the run's header."""
+    got = background("earlier-plugins")
+    assert got["install"].returncode == 0, got["install"].stderr[-2000:]
+    listed = got["targets"].stdout
+    assert all(any(ln.startswith(f"{p} ") for ln in listed.splitlines()) for p in ("dec02", "dec03", "dec04")), listed
+    checked = [run for run in RECORDED["runs"] if run["spec"] in got["runs"]]
+    assert len(checked) == 3
+    for run in checked:
+        proc, report = got["runs"][run["spec"]]
+        assert proc.returncode == 0, (run["spec"], proc.stdout[-2000:], proc.stderr[-2000:])
+        verdicts = {s["name"]: [s["verdict"], s.get("reason") or ""] for s in report["scenarios"]}
+        assert verdicts == run["verdicts"], (run["spec"], run["recorded_at"])
+        notices = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardcheck: notice: ")]
+        assert len(notices) == 1 and "written against an earlier Target contract" in notices[0], proc.stderr[-1500:]
+        assert "release()" in notices[0] and "Traceback" not in proc.stderr
+
+
+# -- the contract itself, no world -------------------------------------------------------------
+def test_every_member_of_the_protocol_is_in_the_history_and_has_a_default():
+    """A member added to the Target protocol without its contract version, or without a default
+    in TargetBase, fails here: that is how a plugin written before it would break."""
+    from shardcheck.targets.base import CONTRACT_HISTORY, CONTRACT_VERSION, OPTIONAL_MEMBERS, Target, TargetBase
+
+    tree = ast.parse((ROOT / "targets" / "base.py").read_text())
+    protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Target")
+    declared = {n.target.id for n in protocol.body if isinstance(n, ast.AnnAssign)} | {
+        n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
+    history = {m for _, added in CONTRACT_HISTORY.values() for m in added}
+    assert declared == history, declared ^ history
+    assert max(CONTRACT_HISTORY) == CONTRACT_VERSION == TargetBase.contract
+    for member in OPTIONAL_MEMBERS:
+        assert hasattr(TargetBase, member), member
+    assert set(OPTIONAL_MEMBERS) == declared - {"name", "capabilities", "describe", "compute", "contract", "declares",
+                                                "implementation"}
+    assert isinstance(Target, type)
+
+
+class _Old:
+    """Contract 1: the four required members and nothing else."""
+
+    name = "old"
+
+    def __init__(self):
+        from shardcheck.targets import Capabilities
+
+        self.capabilities = Capabilities(layouts=frozenset({"thd"}))
+        self.released = 0
+
+    def describe(self):
+        return {"name": self.name}
+
+    def compute(self, inputs):
+        raise AssertionError("not called here")
+
+
+class _WithDefinitionsAndRelease(_Old):
+    def __init__(self):
+        from shardcheck.targets.base import Definitions
+
+        super().__init__()
+        self.definitions = Definitions(entropy_sign=-1, entropy_source="its own")
+
+    def release(self):
+        self.released += 1
+
+
+def test_an_adopted_plugin_answers_every_member_from_itself_or_the_default():
+    from shardcheck.targets.base import Definitions, TargetBase, definitions
+    from shardcheck.targets.contract import AdoptedTarget, adopt
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        old = adopt(_Old(), "tests:old")
+        newer = adopt(_WithDefinitionsAndRelease(), "tests:newer")
+        adopt(_Old(), "tests:old")  # once a spec and process
+    notices = [str(w.message) for w in said if issubclass(w.category, FutureWarning)]
+    assert len(notices) == 2 and "'tests:old'" in notices[0] and "release()" in notices[0], notices
+    assert "release()" not in notices[1] and "definitions" not in notices[1].split("defaults for")[1], notices[1]
+    assert isinstance(old, AdoptedTarget) and isinstance(old, TargetBase)
+    assert old.loss_form == "weighted" and old.data_path is None and old.src is None and old.framework_files == ()
+    assert definitions(old) == Definitions() and definitions(newer).entropy_sign == -1
+    assert not old.declares("release") and newer.declares("release") and newer.declares("definitions")
+    newer.release()
+    old.release()  # nothing to undo: no error
+    assert newer.implementation().released == 1 and old.repro_call() is None and old.split_batch(None) is None
+    assert old.describe()["contract_notice"] == notices[0]
+    with pytest.raises(ValueError):
+        old.declares("nonsense")
+
+
+def test_a_target_deriving_from_the_base_is_not_wrapped_and_declares_what_it_overrides():
+    from shardcheck.targets import resolve
+
+    builtin, loss = resolve("builtin"), resolve("builtin:loss")
+    assert type(builtin).__name__ == "BuiltinTarget" and "contract_notice" not in builtin.describe()
+    assert builtin.declares("repro_call") and not builtin.declares("logged_loss")
+    assert loss.declares("logged_loss") and not loss.declares("split_batch")
+
+
+# the contract's members, and the calls that would read one by probing
+_MEMBERS = ("src", "framework_files", "data_path", "definitions", "loss_form", "training_loss", "invariance",
+            "repro_call", "release", "split_batch", "logged_loss", "calculate_per_token_loss", "name", "capabilities")
+
+
+def test_the_harness_reads_contract_members_without_probing():
+    """Issue 38's acceptance: no ``getattr(target, ...)`` / ``hasattr(target, ...)`` of a contract
+    member in shardcheck/, harness/ or targets/ (targets/contract.py adopts plugins: the one place
+    that asks a plugin what it has, through ``self.plugin``)."""
+    found = []
+    for folder in ("shardcheck", "harness", "targets"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                        and isinstance(node.args[1], ast.Constant) and node.args[1].value in _MEMBERS
+                        and "target" in ast.unparse(node.args[0])):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)
