@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardcheck.targets import Capabilities, RankInputs, RankOutputs
+from shardcheck.targets import Capabilities, RankInputs, RankOutputs, TargetBase
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -24,15 +24,12 @@ class _GatherVocab(torch.autograd.Function):
         return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None
 
 
-class NaiveTarget:
+class NaiveTarget(TargetBase):
     name = "naive"
     capabilities = Capabilities(layouts=frozenset({"thd"}), entropy=True, dtypes=frozenset({"float32"}))
 
     def describe(self) -> dict:
         return {"name": self.name, "version": "0.1.0"}
-
-    def release(self) -> None:
-        """Nothing to undo: it sets nothing process-wide."""
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
         logits = _GatherVocab.apply(inputs.logits[0], inputs.tp_group).float() / inputs.temperature
