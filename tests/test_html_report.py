@@ -51,6 +51,19 @@ def test_the_command_renders_a_saved_report_as_the_run_did(hang_report, tmp_path
     assert out.read_text() == render(hang_report)
 
 
+def test_a_real_report_reads_back_as_it_was_written(hang_report):
+    """Verdict.from_dict and RunInfo.from_dict on a run's report (a hang: traces, the lanes'
+    details): written again, each gives the same JSON."""
+    from shardcheck.harness.controller.report_file import SavedReport
+
+    saved = SavedReport.from_dict(hang_report)
+    assert [json.loads(json.dumps(v.to_dict(), default=str)) for v in saved.verdicts] == hang_report["scenarios"]
+    info = json.loads(json.dumps(saved.info.to_dict(), default=str))
+    assert info == {k: hang_report[k] for k in info} and info["target_spec"] == "builtin:skip_empty_rank"
+    [v] = saved.verdicts
+    assert v.status == "fail" and v.failures[0].kind == "collective_mismatch" and set(v.traces) == {0, 1, 2, 3}
+
+
 def test_an_older_or_partial_report_renders_what_it_can(hang_report, tmp_path, cli_in_process):
     old = {k: v for k, v in hang_report.items() if k not in ("target", "summary")}
     text = _text(render(old))

@@ -176,3 +176,27 @@ def test_a_verdict_placed_before_many_others_replaces_the_file_whole(tmp_path):
     assert path.stat().st_ino == inode and len(json.loads(path.read_text())["scenarios"]) == 301
     report.finish(_info())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # the spare beside it is gone
+
+
+def test_a_written_report_reads_back_as_the_verdicts_and_info_that_wrote_it(tmp_path):
+    """SavedReport.from_dict is the writer's inverse: every status, failures with details,
+    traces, skips; what JSON itself changes (a set written as text) stays as the file has it."""
+    from shardcheck.harness.controller.report_file import read_report
+
+    suite = _suite(10)
+    path = tmp_path / "r.json"
+    report = JsonReport(str(path), {"suite": "mine"})
+    info = _info(wall=2.5)
+    info.repro, info.target_config, info.coverage = "shardcheck repro {scenario}", {"src": "/x", "options": [["k", "v"]]}, {"files": {}}
+    report.start(info, suite)
+    for i, sc in enumerate(suite):
+        report.add(_verdict(sc, i))
+    report.finish(info)
+    doc = json.loads(path.read_text())
+    saved = read_report(str(path))
+    assert saved.info == info and saved.absent == () and saved.complete and saved.planned == 10
+    assert saved.summary == doc["summary"]
+    assert [json.loads(json.dumps(v.to_dict())) for v in saved.verdicts] == doc["scenarios"]
+    assert {v.status for v in saved.verdicts} == {PASS, FAIL, SKIP}
+    failed = next(v for v in saved.verdicts if v.status == FAIL)
+    assert failed.traces == {0: [{"op": "all_reduce", "number": 0}]} and failed.failures[0].token is not None

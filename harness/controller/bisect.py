@@ -19,7 +19,7 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.verdict import ERROR, Verdict
+from shardcheck.harness.controller.verdict import ERROR, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
 from shardcheck.targets.base import SRC_ENV
@@ -31,7 +31,7 @@ class Step:
     commit: str
     signature: tuple | None  # None: the commit could not be imported (skipped)
     verdicts: list[Verdict] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)
+    info: RunInfo | None = None  # the run's, as its reporters had it (None: not run)
     why_skipped: str = ""
 
 

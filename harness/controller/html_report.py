@@ -14,15 +14,15 @@ a wrong value or gradient) and the scenario as JSON, to replay.
 from __future__ import annotations
 
 import html
-import json
 import shlex
 from typing import Any
 
-from shardcheck.errors import BadInput
 from shardcheck.harness.controller.report import scenario_count, visible
-from shardcheck.harness.controller.report_file import GuardedWrites, check_report_path, replace_with
+from shardcheck.harness.controller.report_file import GuardedWrites, SavedReport, check_report_path, replace_with
+from shardcheck.harness.controller.verdict import FAIL, Verdict
+from shardcheck.harness.wire import Failure
+from shardcheck.scenarios.scenario import Scenario
 
-REQUIRED = ("scenarios",)
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#111}
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}
@@ -43,17 +43,19 @@ pre{background:#f4f4f4;padding:.5em;overflow-x:auto}.muted{color:#666}
 def render(doc: dict[str, Any]) -> str:
     """The page for a JSON report's document (a partial one too: what is missing is named); an
     invariance report (``shardcheck invariance --json-report``) gives its matrix."""
-    if "matrix" in doc and "scenarios" not in doc:
+    if isinstance(doc, dict) and "matrix" in doc and "scenarios" not in doc:
         return _invariance(doc)
-    missing = [k for k in REQUIRED if k not in doc]
-    if missing:
-        raise BadInput(f"not a shardcheck JSON report: no {', '.join(missing)} field")
+    return render_report(SavedReport.from_dict(doc))
+
+
+def render_report(report: SavedReport) -> str:
+    """The page for a run's report, read back (:meth:`SavedReport.from_dict`)."""
     out = ["<!doctype html><html lang=en><head><meta charset=utf-8><title>shardcheck report</title>",
            f"<style>{_STYLE}</style></head><body>", "<h1>shardcheck report</h1>"]
-    out += _summary(doc)
-    failing = [s for s in doc["scenarios"] if s.get("verdict") == "fail"]
-    for entry in failing:
-        out += _scenario(entry, doc.get("target_spec"), bool(doc.get("repro")))
+    out += _summary(report)
+    for verdict in report.verdicts:
+        if verdict.status == FAIL:
+            out += _scenario(verdict, report.info.target_spec, bool(report.info.repro))
     out.append("</body></html>")
     return "\n".join(out)
 
@@ -76,52 +78,52 @@ def _reach(coverage: dict[str, Any] | None) -> list[str]:
     return out
 
 
-def _summary(doc: dict[str, Any]) -> list[str]:
-    target = doc.get("target") or {}
-    lines = [f"<p>target: <b>{_e(target.get('name', doc.get('target_spec', '?')))}</b> "
+def _summary(report: SavedReport) -> list[str]:
+    info = report.info
+    target = info.target or {}
+    lines = [f"<p>target: <b>{_e(target.get('name', info.target_spec or '?'))}</b> "
              f"{_e(target.get('version', ''))}"]
-    if "ranks" in doc:
-        lines[-1] += f"; world: {_e(doc['ranks'])} ranks ({_e(doc.get('backend', '?'))})"
-    summary = doc.get("summary")
+    if "ranks" not in report.absent:
+        lines[-1] += f"; world: {_e(info.ranks)} ranks ({_e(info.backend or '?')})"
+    summary = report.summary
     if summary:
-        lines.append(f"<p>{scenario_count(summary.get('total', 0), doc.get('planned'))}: {summary.get('pass', 0)} passed, "
+        lines.append(f"<p>{scenario_count(summary.get('total', 0), report.planned)}: {summary.get('pass', 0)} passed, "
                      f"{summary.get('fail', 0)} failed, {summary.get('skip', 0)} skipped"
                      + (f", {summary['timeout']} timed out (the machine was too slow: no finding either way)"
                         if summary.get("timeout") else "")
                      + (f", {summary['error']} error{'s' if summary['error'] != 1 else ''} (shardcheck's own: "
                         "no finding either way)"
                         if summary.get("error") else "")
-                     + ("" if doc.get("complete", True) else " <b>(incomplete: the run did not finish)</b>") + "</p>")
+                     + ("" if report.complete else " <b>(incomplete: the run did not finish)</b>") + "</p>")
     defined = target.get("definitions") or {}
     if defined:
         lines.append("<p>definitions checked (the target's, the reference followed): "
                      + "; ".join(f"{_e(k)}: {_e(v)}" for k, v in defined.items()) + "</p>")
     laid: dict[str, int] = {}
-    for s in doc["scenarios"]:
-        if s.get("layout_built_by"):
-            laid[s["layout_built_by"]] = laid.get(s["layout_built_by"], 0) + 1
+    for v in report.verdicts:
+        if v.built_by:
+            laid[v.built_by] = laid.get(v.built_by, 0) + 1
     if laid and set(laid) != {"shardcheck"}:
         lines.append("<p>rows laid out by: " + "; ".join(f"{_e(k)} ({n})" for k, n in laid.items()) + "</p>")
-    lines += _reach(doc.get("coverage"))
-    absent = [k for k in ("target", "summary", "ranks") if k not in doc]
-    if absent:
-        lines.append(f"<p class=muted>this report has no {', '.join(absent)} field (an older shardcheck, or a run "
-                     "that stopped early): shown without it</p>")
-    kinds = sorted({k for s in doc["scenarios"] for k in s.get("kinds") or []})
+    lines += _reach(info.coverage)
+    if report.absent:
+        lines.append(f"<p class=muted>this report has no {', '.join(report.absent)} field (an older shardcheck, or a "
+                     "run that stopped early): shown without it</p>")
+    kinds = sorted({k for v in report.verdicts for k in v.kinds})
     lines.append("<h2>Scenarios</h2><form id=filter class=muted>show: "
                  + "".join(f"<label><input type=checkbox name=verdict value={v} checked> {v}</label> "
                            for v in ("pass", "fail", "skip", "timeout"))
                  + "<label>kind <select name=kind><option value=''>any</option>"
                  + "".join(f"<option>{_e(k)}</option>" for k in kinds) + "</select></label></form>")
     lines.append("<table id=scenarios><tr><th>scenario<th>layout<th>tp<th>cp<th>verdict<th>kinds<th>detail</tr>")
-    for s in doc["scenarios"]:
-        verdict = s.get("verdict", "?")
-        detail = s.get("reason") or "; ".join(f.get("message", "")[:160] for f in (s.get("failures") or [])[:1])
-        name = _e(s.get("name", "?"))
-        link = f"<a href='#sc-{name}'>{name}</a>" if verdict == "fail" else name
-        lines.append(f"<tr class={_e(verdict)} data-kinds='{_e(' '.join(s.get('kinds') or []))}'><td>{link}"
-                     f"<td>{_e(s.get('layout', ''))}<td>{_e(s.get('tp', ''))}<td>{_e(s.get('cp', ''))}"
-                     f"<td>{_e(verdict.upper() if verdict == 'fail' else verdict)}<td>{_e(', '.join(s.get('kinds') or []))}"
+    for v in report.verdicts:
+        sc, verdict = v.scenario, v.status
+        detail = v.reason or "; ".join(f.message[:160] for f in v.failures[:1])
+        name = _e(sc.name)
+        link = f"<a href='#sc-{name}'>{name}</a>" if verdict == FAIL else name
+        lines.append(f"<tr class={_e(verdict)} data-kinds='{_e(' '.join(v.kinds))}'><td>{link}"
+                     f"<td>{_e(sc.layout)}<td>{_e(sc.tp)}<td>{_e(sc.cp)}"
+                     f"<td>{_e(verdict.upper() if verdict == FAIL else verdict)}<td>{_e(', '.join(v.kinds))}"
                      f"<td>{_e(detail)}</tr>")
     lines.append("</table>")
     lines.append(f"<script>{_FILTER}</script>")
@@ -169,54 +171,49 @@ def _invariance(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _scenario(entry: dict[str, Any], target_spec: str | None, repro: bool = False) -> list[str]:
+def _scenario(verdict: Verdict, target_spec: str | None, repro: bool = False) -> list[str]:
     """A failed scenario's section; ``repro``: its target can be written as a standalone script."""
-    name = _e(entry.get("name", "?"))
+    scenario = verdict.scenario
+    name = _e(scenario.name)
     out = [f"<section id='sc-{name}'><h2>FAILED {name}</h2><ul>"]
-    for f in entry.get("failures") or []:
-        phase = f" in {f['phase']}" if f.get("phase") else ""
-        ranks = ",".join(map(str, f.get("ranks") or []))
-        out.append(f"<li><b>{_e(f.get('kind'))}</b>{_e(phase)} [ranks {_e(ranks)}]: {_e(f.get('message'))}")
+    for f in verdict.failures:
+        phase = f" in {f.phase}" if f.phase else ""
+        ranks = ",".join(map(str, f.ranks))
+        out.append(f"<li><b>{_e(f.kind)}</b>{_e(phase)} [ranks {_e(ranks)}]: {_e(f.message)}")
     out.append("</ul>")
-    for f in entry.get("failures") or []:
-        if f.get("details", {}).get("group_ranks"):  # a finding about one group's calls: its lanes
-            out += _lanes(f, entry.get("traces") or {})
-    out += _crash_lanes(entry)
-    scenario = entry.get("scenario")
-    if scenario:
-        out += _error_map(entry, scenario)
-        out += _layout_map(scenario, entry.get("layouts") or {})
-        out.append("<h3>Scenario</h3><pre class=scenario>" + _e(json.dumps(scenario, sort_keys=True)) + "</pre>")
-        if target_spec:
-            out.append(f"<p>To run it again, save it as <code>scenario.json</code>, then:</p><pre class=replay>"
-                       f"shardcheck run --target {_e(target_spec)} --scenario-file scenario.json</pre>")
-            if repro and _scriptable(scenario, entry.get("kinds") or []):
-                out.append(f"<p>As a script that needs only torch and the code under test:</p><pre class=replay>"
-                           f"shardcheck repro --target {_e(target_spec)} --scenario-file scenario.json "
-                           f"--scenario {_e(shlex.quote(entry.get('name', '?')))}</pre>")
+    for f in verdict.failures:
+        if f.details.get("group_ranks"):  # a finding about one group's calls: its lanes
+            out += _lanes(f, verdict.traces)
+    out += _crash_lanes(verdict)
+    out += _error_map(verdict)
+    out += _layout_map(scenario, verdict.layouts)
+    out.append("<h3>Scenario</h3><pre class=scenario>" + _e(scenario.to_json()) + "</pre>")
+    if target_spec:
+        out.append(f"<p>To run it again, save it as <code>scenario.json</code>, then:</p><pre class=replay>"
+                   f"shardcheck run --target {_e(target_spec)} --scenario-file scenario.json</pre>")
+        if repro and _scriptable(scenario, verdict.kinds):
+            out.append(f"<p>As a script that needs only torch and the code under test:</p><pre class=replay>"
+                       f"shardcheck repro --target {_e(target_spec)} --scenario-file scenario.json "
+                       f"--scenario {_e(shlex.quote(scenario.name))}</pre>")
     out.append("</section>")
     return out
 
 
-def _scriptable(scenario: dict[str, Any], kinds: list[str]) -> bool:
+def _scriptable(scenario: Scenario, kinds: list[str]) -> bool:
     from shardcheck.harness.controller.repro import kinds_refusal, scenario_refusal
-    from shardcheck.scenarios import Scenario
 
-    try:
-        return scenario_refusal(Scenario.from_dict(scenario)) is None and kinds_refusal(kinds) is None
-    except Exception:  # noqa: BLE001  (a page of an older report: say nothing of it)
-        return False
+    return scenario_refusal(scenario) is None and kinds_refusal(kinds) is None
 
 
-def _lanes(failure: dict[str, Any], traces: dict[str, list[dict[str, Any]]]) -> list[str]:
+def _lanes(failure: Failure, traces: dict[int, list[dict[str, Any]]]) -> list[str]:
     """One lane (column) per rank of the divergent group, calls aligned by their number in it."""
-    d = failure["details"]
+    d = failure.details
     group = list(d["group_ranks"])
     divergent = int(d.get("call", -1))
     sides = d.get("sides") or {}
     lanes: dict[int, dict[int, dict[str, Any]]] = {}
     for r in group:
-        calls = [c for c in traces.get(str(r), []) if list(c.get("ranks") or []) == group]
+        calls = [c for c in traces.get(r, []) if list(c.get("ranks") or []) == group]
         lanes[r] = {int(c["number"]): c for c in calls}
         side = sides.get(str(r))
         if side and "op" in side and divergent not in lanes[r]:
@@ -243,24 +240,23 @@ def _lanes(failure: dict[str, Any], traces: dict[str, list[dict[str, Any]]]) -> 
     return out
 
 
-def _error_map(entry: dict[str, Any], scenario: dict[str, Any]) -> list[str]:
+def _error_map(verdict: Verdict) -> list[str]:
     """Per sample, a cell per response token: wrong value, wrong gradient, both, or right."""
-    samples = scenario.get("samples") or []
+    samples = verdict.scenario.samples
     values: dict[int, set[int]] = {}
     grads: dict[int, set[int]] = {}
     other_rows: dict[int, int] = {}  # sample -> rows outside the response with a wrong gradient
-    for f in entry.get("failures") or []:
-        field, d = f.get("field"), f.get("details") or {}
-        if f.get("kind") == "value_mismatch" and field in ("log_probs", "entropy"):
-            pairs = ([(f["sample"], f["token"])] if f.get("token") is not None else []) + [tuple(t) for t in
-                                                                                          d.get("tokens", [])]
+    for f in verdict.failures:
+        d = f.details
+        if f.kind == "value_mismatch" and f.field in ("log_probs", "entropy"):
+            pairs = ([(f.sample, f.token)] if f.token is not None else []) + [tuple(t) for t in d.get("tokens", [])]
             for sample, token in pairs:
                 values.setdefault(sample, set()).add(token)
-        if f.get("kind") == "grad_mismatch":
-            rows = ([(f["sample"], f["position"])] if f.get("sample") is not None and f.get("position") is not None
+        if f.kind == "grad_mismatch":
+            rows = ([(f.sample, f.position)] if f.sample is not None and f.position is not None
                     else []) + [tuple(r) for r in d.get("rows", [])]
             for sample, pos in rows:
-                total, response = samples[sample][0], samples[sample][1]
+                total, response = samples[sample].total, samples[sample].response
                 token = pos - (total - response - 1)
                 if 0 <= token < response:
                     grads.setdefault(sample, set()).add(token)
@@ -269,8 +265,8 @@ def _error_map(entry: dict[str, Any], scenario: dict[str, Any]) -> list[str]:
     if not (values or grads or other_rows):
         return []
     out = ["<h3>Error map (a cell per response token: red wrong value, orange wrong gradient, dark both)</h3>"]
-    for i, pair in enumerate(samples):
-        response = pair[1]
+    for i, sample in enumerate(samples):
+        response = sample.response
         v, g = values.get(i, set()), grads.get(i, set())
         cells = []
         for j in range(response):
@@ -299,24 +295,24 @@ def _spans(tokens: set[int]) -> str:
     return ", ".join(out)
 
 
-def _crash_lanes(entry: dict[str, Any]) -> list[str]:
+def _crash_lanes(verdict: Verdict) -> list[str]:
     """For ranks that raised or died: the lanes of every group they belong to, each member's calls
     as kept, and how each lane ends (the raise or the death, or a peer left waiting)."""
     ended: dict[int, str] = {}
-    for f in entry.get("failures") or []:
-        if f.get("kind") != "rank_error":
+    for f in verdict.failures:
+        if f.kind != "rank_error":
             continue
-        d = f.get("details") or {}
+        d = f.details
         text = (f"raised {d['type']}: {d.get('message', '')}" + (f" at {d['where']}" if d.get("where") else "")
-                if d.get("type") else (f.get("message") or "")[:200])
-        for r in f.get("ranks") or []:
+                if d.get("type") else (f.message or "")[:200])
+        for r in f.ranks:
             ended.setdefault(int(r), text)
-    traces = entry.get("traces") or {}
+    traces = verdict.traces
     groups = {tuple(c.get("ranks") or []) for calls in traces.values() for c in calls}
     groups = {g for g in groups if len(g) > 1 and set(g) & set(ended)}
     out: list[str] = []
     for group in sorted(groups):
-        lanes = {r: {int(c["number"]): c for c in traces.get(str(r), []) if tuple(c.get("ranks") or []) == group}
+        lanes = {r: {int(c["number"]): c for c in traces.get(r, []) if tuple(c.get("ranks") or []) == group}
                  for r in group}
         numbers = sorted({n for lane in lanes.values() for n in lane})
         out += [f"<h3>Lanes: group {_e(list(group))}, where rank {_e(', '.join(str(r) for r in group if r in ended))} "
@@ -343,16 +339,11 @@ def _call_text(c: dict[str, Any]) -> str:
     return f"{c.get('op')}({red}{c.get('dtype')}[{shape}]) {c.get('phase')} at {c.get('site')}"
 
 
-def _layout_map(scenario: dict[str, Any], built: dict[str, dict[str, Any]]) -> list[str]:
+def _layout_map(sc: Scenario, built: dict[int, dict[str, Any]]) -> list[str]:
     """Per rank of the layout (tp rank, cp rank): its rows, sample after sample; the rows the
     framework's data path built when it built them (``built``: world rank -> the rank's payload)."""
     from shardcheck.scenarios.layout import Piece, RankLayout, rank_layout
-    from shardcheck.scenarios.scenario import Scenario
 
-    try:
-        sc = Scenario.from_dict(scenario)
-    except BadInput as exc:
-        return [f"<p class=muted>no layout map: {_e(exc)}</p>"]
     by = next(iter(built.values()))["built_by"] if built else "shardcheck"
     out = [f"<h3>Layout map: {_e(sc.layout)}, tp {sc.tp} x cp {sc.cp}, rows laid out by {_e(by)} (one strip per "
            "rank; colour: sample; faint: prompt rows, solid: rows scoring a response token, hatched: padding)</h3>"
@@ -361,9 +352,9 @@ def _layout_map(scenario: dict[str, Any], built: dict[str, dict[str, Any]]) -> l
         for tp_rank in range(sc.tp):
             lay = rank_layout(sc, tp_rank, cp_rank)
             rank = cp_rank * sc.tp + tp_rank
-            if str(rank) in built:
-                pieces = tuple(Piece(*p) for p in built[str(rank)]["pieces"])
-                lay = RankLayout(sc, tp_rank, cp_rank, pieces, tuple(built[str(rank)]["shape"]), lay.columns,
+            if rank in built:
+                pieces = tuple(Piece(*p) for p in built[rank]["pieces"])
+                lay = RankLayout(sc, tp_rank, cp_rank, pieces, tuple(built[rank]["shape"]), lay.columns,
                                  lay.share, by)
             segs, words, kinds = [], [], set()
             for p in lay.pieces:

@@ -6,16 +6,23 @@ A report path that exists must be a regular file: a device, a FIFO or a socket i
 than replaced by the atomic rename (``--json-report /dev/full`` once turned the device node into
 a plain file). Two runs given the same path each work: their temporary files do not meet, and the
 last to finish leaves its report.
+
+A saved report is read back as a :class:`SavedReport` (its :class:`RunInfo` and
+:class:`Verdict` s, each through its ``from_dict``), by every command that reads one: an older
+shardcheck's report too, what it lacks given its default.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import stat
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from shardcheck.errors import BadInput
+from shardcheck.harness.controller.verdict import RunInfo, Verdict
 from shardcheck.harness.wire import process_alive
 
 
@@ -115,3 +122,56 @@ class GuardedWrites:
         except OSError as exc:
             self.failed = write_error(self.what, self.path, exc)
             return False
+
+
+# What the page and the commands that read a saved report call it when a document lacks it: an
+# older shardcheck wrote fewer fields, a run stopped early fewer still.
+REPORT_FIELDS = ("target", "summary", "ranks")
+
+
+@dataclass
+class SavedReport:
+    """A saved JSON report (``run --json-report``) read back: the run's info and its verdicts,
+    in the file's order, and what the document says of the run as a whole."""
+
+    info: RunInfo
+    verdicts: list[Verdict]
+    summary: dict[str, int] | None = None  # status -> count, and total (None: not written)
+    planned: int | None = None  # how many scenarios the run meant to check
+    complete: bool = True  # False: the run did not finish (an older report does not say: True)
+    absent: tuple[str, ...] = ()  # of REPORT_FIELDS, those the document lacks
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> SavedReport:
+        """The report a JSON document holds; BadInput (one line) when it is not a shardcheck
+        report (no ``scenarios`` list, or an entry that is not a verdict)."""
+        if not isinstance(doc, dict):
+            raise BadInput("not a shardcheck JSON report (not an object)")
+        if "scenarios" not in doc:
+            raise BadInput("not a shardcheck JSON report: no scenarios field")
+        if not isinstance(doc["scenarios"], list):
+            raise BadInput("not a shardcheck JSON report: its scenarios field is not a list")
+        verdicts = []
+        for i, entry in enumerate(doc["scenarios"]):
+            try:
+                verdicts.append(Verdict.from_dict(entry))
+            except (BadInput, TypeError, ValueError, AttributeError) as exc:  # a field of another type
+                raise BadInput(f"not a shardcheck JSON report: scenario {i}: {' '.join(str(exc).split())}") from None
+        return cls(RunInfo.from_dict(doc), verdicts, doc.get("summary") or None, doc.get("planned"),
+                   doc.get("complete", True) is not False, tuple(k for k in REPORT_FIELDS if k not in doc))
+
+
+def read_report(path: str, option: str = "--report") -> SavedReport:
+    """The saved report at ``path`` (given by ``option``); BadInput (one line) when it cannot be
+    read or is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise BadInput(f"{option} {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise BadInput(f"{option} {path!r}: cannot read a JSON report: {' '.join(str(exc).split())}") from None
+    try:
+        return SavedReport.from_dict(doc)
+    except BadInput as exc:
+        raise BadInput(f"{option} {path!r}: {exc}") from None

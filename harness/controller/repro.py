@@ -22,7 +22,9 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller import repro_script
+from shardcheck.harness.controller.report_file import read_report
 from shardcheck.harness.rank.compare import TOLERANCES
+from shardcheck.harness.wire import Failure
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios.scenario import Scenario, data_id
 from shardcheck.targets.base import (TargetConfig, data_path, definitions, knob_skip_reason, loss_form, resolved_knobs,
@@ -41,35 +43,30 @@ class Reported:
 
     spec: str
     scenario: Scenario
-    failure: dict[str, Any] | None  # None: named by a scenario, not a report
+    failure: Failure | None  # None: named by a scenario, not a report
     inplace: bool  # whether the run checked for inputs changed in place
     layouts: dict[int, dict[str, Any]]  # rank -> the rows a framework's data path built there (none: shardcheck's)
     config: TargetConfig | None  # the target's checkout and options in that run (older reports: None)
 
 
 def from_report(path: str, name: str) -> Reported:
-    """``name``'s first failure, from a JSON report."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"--report {path}: cannot read a JSON report: {exc}") from None
-    entries = [e for e in doc.get("scenarios", []) if isinstance(e, dict) and e.get("name") == name]
-    if not entries:
+    """``name``'s first failure, from a JSON report (read back: an older one's missing fields
+    take their defaults)."""
+    report = read_report(path)
+    verdict = next((v for v in report.verdicts if v.scenario.name == name), None)
+    if verdict is None:
         raise BadInput(f"--report {path} has no scenario {name!r}")
-    failures = entries[0].get("failures") or []
-    if not failures:
-        raise BadInput(f"scenario {name!r} did not fail in {path} ({entries[0].get('verdict')}): nothing to reproduce")
-    refused = kinds_refusal([f.get("kind", "") for f in failures])
+    if not verdict.failures:
+        raise BadInput(f"scenario {name!r} did not fail in {path} ({verdict.status}): nothing to reproduce")
+    refused = kinds_refusal([f.kind for f in verdict.failures])
     if refused:
         raise BadInput(f"scenario {name!r} in {path}: {refused}")
-    layouts = {int(r): lay for r, lay in (entries[0].get("layouts") or {}).items()}
-    given = doc.get("target_config") or None
+    info, given = report.info, report.info.target_config
     config = TargetConfig(given.get("src"), tuple(tuple(kv) for kv in given.get("options", []))) if given else None
-    return Reported(doc.get("target_spec", ""), Scenario.from_dict(entries[0]["scenario"]), failures[0],
-                    doc.get("inplace", True) is not False, layouts, config)
+    return Reported(info.target_spec, verdict.scenario, verdict.failures[0], info.inplace, verdict.layouts, config)
 
 
-def script_text(spec: str, target: Any, scenario: Scenario, failure: dict[str, Any] | None,
+def script_text(spec: str, target: Any, scenario: Scenario, failure: Failure | None,
                 name: str = "repro.py", inplace: bool = True, layouts: dict[int, dict[str, Any]] | None = None) -> str:
     """The script for ``scenario`` on ``target`` (named by ``spec``), expecting ``failure``;
     ``inplace``: whether it checks for inputs changed in place (run --no-inplace: not);
@@ -215,11 +212,11 @@ def _py(text: str) -> str:
     return text.replace("true", "True").replace("false", "False").replace("null", "None")
 
 
-def _header(spec: str, sc: Scenario, failure: dict[str, Any] | None, src: str, name: str, inplace: bool,
+def _header(spec: str, sc: Scenario, failure: Failure | None, src: str, name: str, inplace: bool,
             built_by: str | None) -> str:
     if failure:
-        where = f" in the {failure['phase']}" if failure.get("phase") else ""
-        expected = f"{failure['kind']}{where}: {' '.join(str(failure.get('message', '')).split())[:300]}"
+        where = f" in the {failure.phase}" if failure.phase else ""
+        expected = f"{failure.kind}{where}: {' '.join(str(failure.message).split())[:300]}"
     else:
         expected = "not given (written from a scenario, not a report): the script says what it finds"
     commit = _commit(src)

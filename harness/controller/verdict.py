@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dataclasses import field as _field
 from typing import Any
 
+from shardcheck.errors import BadInput
 from shardcheck.harness.wire import (  # noqa: F401  (the kinds, re-exported for the controller side)
     COLLECTIVE_MISMATCH,
     GRAD_MISMATCH,
@@ -86,6 +87,34 @@ class Verdict:
             **({"traces": {str(r): t for r, t in self.traces.items()}} if self.traces else {}),
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        """A verdict read back from its entry in a saved JSON report: :meth:`to_dict`'s inverse.
+        What an older shardcheck did not write gets its default (layouts and traces came later);
+        what is derived (``kinds``, ``layout_built_by``) is derived again. BadInput (one line) for
+        an entry that is not a verdict."""
+        if not isinstance(d, dict):
+            raise BadInput(f"a scenario's entry must be an object, got {type(d).__name__}")
+        if "scenario" not in d:
+            raise BadInput(f"the entry {d.get('name', '?')!r} has no scenario field")
+        status = d.get("verdict")
+        if status not in STATUSES:
+            raise BadInput(f"the entry {d.get('name', '?')!r} has verdict {status!r} (known: {', '.join(STATUSES)})")
+        failures = d.get("failures") or []
+        if not isinstance(failures, list):
+            raise BadInput(f"the entry {d.get('name', '?')!r}: failures must be a list")
+        return cls(
+            scenario=Scenario.from_dict(d["scenario"]),
+            status=status,
+            failures=[_failure(f, d.get("name", "?")) for f in failures],
+            reason=d.get("reason"),
+            seconds=float(d.get("seconds") or 0.0),
+            max_error=dict(d.get("max_error") or {}),
+            traces={int(r): t for r, t in (d.get("traces") or {}).items()},
+            layouts={int(r): lay for r, lay in (d.get("layouts") or {}).items()},
+            layout_note=d.get("layout_note"),
+        )
+
 
 @dataclass
 class RunInfo:
@@ -115,6 +144,31 @@ class RunInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> RunInfo:
+        """The run info of a saved JSON report (whose document holds :meth:`to_dict`'s keys among
+        its own): its inverse. A field an older shardcheck did not write gets its default, or,
+        for one every run has, the value that says nothing (no lockstep, from before it existed);
+        keys of the document that are not run info (``scenarios``, ``summary``, ...) are left."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in doc.items() if k in known}
+        return cls(**{**_UNSAID, **given})
+
+
+# what a saved report that lacks a field every run now writes is read as (the first reports had
+# only target, target_spec, ranks and backend; a run stopped before it started has none)
+_UNSAID: dict[str, Any] = {"target": {}, "target_spec": "", "ranks": 0, "backend": "", "backend_why": "",
+                           "lockstep": False}
+
+
+def _failure(d: Any, name: str) -> Failure:
+    """A failure read back from a saved report: the fields this version knows (a newer report's
+    others are left), the kind at least."""
+    if not isinstance(d, dict) or not isinstance(d.get("kind"), str):
+        raise BadInput(f"the entry {name!r} has a failure without a kind")
+    known = {f.name for f in dataclasses.fields(Failure)}
+    return Failure.from_dict({"message": "", **{k: v for k, v in d.items() if k in known}})
 
 
 def merge(scenario: Scenario, results: list[RankResult], seconds: float) -> Verdict:
