@@ -8,7 +8,9 @@ on either side) or by the rank's runner, and serialized by :meth:`RankResult.to_
 
 Controller -> rank:
     run   scenario (dict), target (spec str), seq (int), checks (a Checks, as to_wire gives it),
-          settings (the controller's SHARDCHECK_* variables: what configures the target)
+          config (the run's RunConfig, as to_wire gives it: the target's checkout, options,
+          backend and switches), settings (the user's SHARDCHECK_* variables, as the
+          controller has them now: what a target reads of its environment itself)
                                                            run one scenario
     stop                                                   leave the loop and exit
 Rank -> controller (the controller adds who sent it on arrival):
@@ -76,14 +78,39 @@ def progress(store: Any, board: Any = None) -> tuple[int | None, int]:
     return keys, board.calls() if board is not None else 0
 
 
-def target_settings() -> dict[str, str]:
-    """The controller's settings of a target as they are now (a checkout, ``--target-opt``s):
-    sent with each run, so a world started before they changed runs what the controller means."""
+def user_settings() -> dict[str, str]:
+    """The user's SHARDCHECK_* variables as the controller has them now (a commit pin, the extra
+    checks): sent with each run, so a world started before they changed sees what a new one
+    would. The run's configuration is not among them: it travels as a RunConfig."""
     return {k: v for k, v in os.environ.items() if k.startswith(SETTINGS_PREFIX)}
 
 
+# the run's configuration, among the settings of a sender that sends no ``config`` of its own
+RUN_CONFIG_SETTING = "run_config"
+
+
+def target_settings() -> dict[str, str]:
+    """:func:`user_settings` and the run configuration in effect (under :data:`RUN_CONFIG_SETTING`),
+    for a sender whose run message has no ``config`` (the simulated world)."""
+    import json
+
+    from shardcheck.run_config import active
+
+    config = active()
+    return user_settings() | ({RUN_CONFIG_SETTING: json.dumps(config.to_wire())} if config is not None else {})
+
+
 def apply_settings(settings: dict[str, str]) -> None:
-    """On a rank: the controller's SHARDCHECK_* variables, exactly (those it no longer has go)."""
+    """On a rank: the controller's SHARDCHECK_* variables, exactly (those it no longer has go);
+    a run configuration among them is received (it goes to no variable)."""
+    settings = dict(settings)
+    config = settings.pop(RUN_CONFIG_SETTING, None)
+    if config is not None:
+        import json
+
+        from shardcheck.run_config import RunConfig, receive
+
+        receive(RunConfig.from_wire(json.loads(config)))
     for k in [k for k in os.environ if k.startswith(SETTINGS_PREFIX) and k not in settings]:
         del os.environ[k]
     os.environ.update(settings)

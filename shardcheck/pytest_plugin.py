@@ -26,13 +26,15 @@ default 4), ``--shardcheck-timeout`` (seconds per scenario), ``--shardcheck-no-i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from shardcheck.harness.backend import BACKENDS
+
+if TYPE_CHECKING:
+    from shardcheck.run_config import RunConfig
 
 MARKER = "multigpu"
 DEFAULT_NPROC = 4
@@ -86,21 +88,33 @@ def parametrize_suite(suite: str | Iterable[Any], argname: str = "scenario") -> 
 
 
 class ShardcheckSession:
-    """The session's world and default target; :meth:`check` runs one scenario on every rank."""
+    """The session's world and run configuration (its default target, the target's checkout and
+    options, the checks); :meth:`check` runs one scenario on every rank."""
 
-    def __init__(self, world: Any, target: str, report: Any = None, inplace: bool = True) -> None:
+    def __init__(self, world: Any, target: str, report: Any = None, inplace: bool = True,
+                 config: RunConfig | None = None) -> None:
+        from shardcheck.run_config import RunConfig
+
         self.world = world
-        self.target = target
         self.report = report  # --shardcheck-html-report's page, or None
-        self.inplace = inplace  # --shardcheck-no-inplace: False
+        self.config = (config or RunConfig(target)).replace(target=target, inplace=inplace)
+
+    @property
+    def target(self) -> str:
+        return self.config.target
+
+    @property
+    def inplace(self) -> bool:  # --shardcheck-no-inplace: False
+        return self.config.inplace
 
     def run(self, scenario: Any, target: str | None = None) -> Any:
         """The scenario's :class:`~shardcheck.harness.controller.verdict.Verdict` (pass, fail or skip)."""
         from shardcheck.harness.controller import runner
         from shardcheck.harness.controller.report import SilentReport
 
-        result = runner.run([scenario], target or self.target, reporter=self.report or SilentReport(),
-                            world=self.world, inplace=self.inplace)
+        config = self.config.for_target(target or self.target)
+        result = runner.run([scenario], config.target, reporter=self.report or SilentReport(), world=self.world,
+                            config=config)
         return result.verdicts[0]
 
     def check(self, scenario: Any, target: str | None = None) -> Any:
@@ -128,12 +142,15 @@ class ShardcheckSession:
         ``expect`` ("packing=bitwise,tp=ulp:8", or {axis: "bitwise"}) overrides the target's
         declared contract."""
         from shardcheck.harness.controller.invariance import AXES, check_invariance, parse_expect
+        from shardcheck.run_config import in_effect
 
         if isinstance(expect, dict):
             expect = ",".join(f"{a}={e}" for a, e in expect.items())
         scenarios = [scenarios] if not isinstance(scenarios, (list, tuple)) else list(scenarios)
-        return check_invariance(scenarios, target or self.target, axes=list(axes or AXES),
-                                expect=parse_expect(expect), world=self.world)
+        config = self.config.for_target(target or self.target)
+        with in_effect(config):
+            return check_invariance(scenarios, config.target, axes=list(axes or AXES), expect=parse_expect(expect),
+                                    world=self.world)
 
     def check_invariance(self, scenarios: Any, *, axes: Iterable[str] | None = None,
                          expect: str | dict | None = None, target: str | None = None) -> Any:
@@ -156,8 +173,9 @@ def shardcheck_world(request: pytest.FixtureRequest) -> Any:
 
     opt = request.config.getoption
     try:
+        config = run_config(request.config)
         world = world_for(opt("--shardcheck-nproc") or DEFAULT_NPROC, join=launched_by_torchrun(),
-                          backend=opt("--shardcheck-backend"), timeout=opt("--shardcheck-timeout")).world
+                          backend=config.backend, timeout=opt("--shardcheck-timeout"), lockstep=config.lockstep).world
         world.start()
     except ShardcheckError as exc:
         pytest.exit(f"shardcheck: {exc}", returncode=2)
@@ -167,22 +185,16 @@ def shardcheck_world(request: pytest.FixtureRequest) -> Any:
         world.close()
 
 
-def _use_target_config(src: str | None, pairs: list[str]) -> None:
-    """As ``shardcheck run --target-src/--target-opt``: into the environment, where the world's
-    ranks read it with each scenario."""
-    from shardcheck.errors import BadInput
-    from shardcheck.targets.base import TargetConfig, parse_option
+def run_config(config: pytest.Config) -> RunConfig:
+    """The session's run configuration from its ``--shardcheck-*`` options, by the builder the
+    command line uses (``SHARDCHECK_TARGET`` the default target); BadInput, one line, naming the
+    option."""
+    from shardcheck.run_config import RunConfig
 
-    try:
-        options = tuple(parse_option(text) for text in pairs)
-    except ValueError as exc:
-        raise BadInput(f"--shardcheck-target-opt: {exc}") from None
-    try:
-        config = TargetConfig.given(src, options)
-    except ValueError as exc:
-        raise BadInput(f"--shardcheck-target-src {exc}") from None
-    if config.src is not None or config.options:
-        os.environ.update(config.to_environment())
+    opt = config.getoption
+    return RunConfig.build(target=opt("--shardcheck-target"), target_src=opt("--shardcheck-target-src"),
+                           target_options=opt("--shardcheck-target-opt"), backend=opt("--shardcheck-backend"),
+                           inplace=not opt("--shardcheck-no-inplace"), flag_prefix="--shardcheck-")
 
 
 @pytest.fixture(scope="session")
@@ -192,11 +204,10 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
     from shardcheck.targets import resolve
 
     opt = request.config.getoption
-    target = opt("--shardcheck-target") or os.environ.get("SHARDCHECK_TARGET") or "builtin"
     path = opt("--shardcheck-html-report")
     try:
-        _use_target_config(opt("--shardcheck-target-src"), opt("--shardcheck-target-opt"))
-        resolve(target)  # a bad spec or option is one line, once, before any rank starts
+        config = run_config(request.config)
+        resolve(config.target, config.target_config)  # a bad spec or option is one line, once, before any rank starts
         if path:
             from shardcheck.harness.controller.html_report import check_writable
 
@@ -216,4 +227,4 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
                 pytest.exit(f"shardcheck: {report.failed}", returncode=2)
 
         request.addfinalizer(close)
-    return ShardcheckSession(world, target, report, inplace=not opt("--shardcheck-no-inplace"))
+    return ShardcheckSession(world, config.target, report, inplace=config.inplace, config=config)

@@ -79,8 +79,9 @@ class TargetConfig:
     """What a user gives a target besides its name: ``--target-src DIR`` (a source checkout) and
     ``--target-opt KEY=VALUE`` (repeatable). A factory that takes a ``config`` argument gets it;
     one that declares ``options = {KEY: help}`` has unknown keys refused (one line, exit 2).
-    Controller and ranks share it through the environment (:data:`SRC_ENV`, :data:`OPTS_ENV`),
-    as every rank is handed the controller's environment."""
+    A run carries it in its :class:`~shardcheck.run_config.RunConfig`, which reaches every rank
+    inside each ``run`` message; :meth:`to_environment` and :meth:`from_environment` (the
+    variables :data:`SRC_ENV`, :data:`OPTS_ENV`) are kept for callers written before it."""
 
     src: str | None = None
     options: tuple[tuple[str, str], ...] = ()
@@ -110,6 +111,8 @@ class TargetConfig:
         raise ValueError(f"option {key}={value!r}: expected true or false")
 
     def to_environment(self) -> dict[str, str]:
+        """Deprecated (the harness hands a RunConfig to its ranks): the config as the variables
+        :meth:`from_environment` reads."""
         import json
 
         env = {OPTS_ENV: json.dumps([list(kv) for kv in self.options])} if self.options else {}
@@ -119,9 +122,18 @@ class TargetConfig:
 
     @classmethod
     def from_environment(cls, environ: Any = None) -> "TargetConfig":
+        """Deprecated: the config in ``environ``'s :data:`SRC_ENV` and :data:`OPTS_ENV`. Without
+        ``environ``, in a process running a command, the config of the run in effect (that of the
+        command line, which no longer writes those variables), else this process's variables."""
         import json
         import os
 
+        if environ is None:
+            from shardcheck.run_config import active
+
+            running = active()
+            if running is not None:
+                return running.target_config
         environ = os.environ if environ is None else environ
         raw = environ.get(OPTS_ENV)
         try:

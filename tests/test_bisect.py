@@ -162,7 +162,7 @@ def fake_verdicts(history, monkeypatch) -> None:
     label = {full: name for name, full in commits.items()}
 
     def run(scenarios, target, *, reporter, timeout, **kwargs):
-        commit, src = os.environ[COMMIT_ENV], Path(os.environ[SRC_ENV])
+        commit, src = os.environ[COMMIT_ENV], Path(kwargs["config"].target_src)  # the run's configuration
         assert (src / "slime" / "backends" / "megatron_utils" / "loss.py").is_file()  # the exported tree
         assert src != repo and not (src / ".git").exists()
         outcome = FAKE[label[commit]]

@@ -1,8 +1,8 @@
 """Find the first commit of a target's source repository (slime, verl, NeMo-RL, or any target
 that takes ``--target-src``) where the verdict of a suite changes.
 
-Each commit reaches the target as its :class:`TargetConfig` source (``SHARDCHECK_TARGET_SRC``)
-with the commit's hash in ``SHARDCHECK_TARGET_COMMIT`` (an archive has no ``.git``). Commits are exported with ``git archive`` into temporary folders (the user's checkout and its
+Each commit reaches the target as its :class:`TargetConfig` source (the run configuration's
+``target_src``) with the commit's hash in ``SHARDCHECK_TARGET_COMMIT`` (an archive has no ``.git``). Commits are exported with ``git archive`` into temporary folders (the user's checkout and its
 ``.git`` are only read), each is checked on a fresh world, and a binary search over the
 first-parent history from ``old`` to ``new`` names the first commit whose verdicts differ from
 ``old``'s. A commit that cannot be imported counts as skipped, as ``git bisect skip`` does.
@@ -22,7 +22,8 @@ from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.verdict import ERROR, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
-from shardcheck.targets.base import SRC_ENV
+from shardcheck.run_config import RunConfig, effective
+from shardcheck.targets.base import SRC_ENV  # noqa: F401  (where callers of old imported it from)
 from shardcheck.targets.source import COMMIT_ENV
 
 
@@ -71,17 +72,22 @@ def signature(verdicts: Sequence[Verdict]) -> tuple:
 
 
 def check_commit(repo: str, commit: str, scenarios: Sequence[Scenario], target: str, *, timeout: float,
-                 reporter_factory: Callable[[], Any]) -> Step:
+                 reporter_factory: Callable[[], Any], config: RunConfig | None = None) -> Step:
+    """``commit`` checked on a fresh world, with ``config`` (default: the one in effect) on the
+    commit's exported tree."""
+    config = (config or effective(target)).for_target(target)
     with tempfile.TemporaryDirectory(prefix="shardcheck-bisect-") as tmp:
         archive = subprocess.run(["git", "-C", repo, "archive", "--format=tar", commit], capture_output=True,
                                  timeout=300)
         if archive.returncode != 0:
             return Step(commit, None, why_skipped=archive.stderr.decode(errors="replace").strip()[:200])
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True, timeout=300)
-        saved = {k: os.environ.get(k) for k in (SRC_ENV, COMMIT_ENV)}
-        os.environ[SRC_ENV], os.environ[COMMIT_ENV] = tmp, commit
+        # the commit's hash for targets/source.py, which reads no configuration yet
+        saved = {COMMIT_ENV: os.environ.get(COMMIT_ENV)}
+        os.environ[COMMIT_ENV] = commit
         try:
-            result = runner.run(scenarios, target, reporter=reporter_factory(), timeout=timeout)
+            result = runner.run(scenarios, target, reporter=reporter_factory(), timeout=timeout,
+                                config=config.with_source(tmp))
         except BadInput as exc:
             return Step(commit, None, why_skipped=str(exc))
         finally:
@@ -100,11 +106,12 @@ def check_commit(repo: str, commit: str, scenarios: Sequence[Scenario], target: 
 
 def bisect(repo: str, old: str, new: str, scenarios: Sequence[Scenario], target: str = "slime", *,
            timeout: float = 60.0, reporter_factory: Callable[[], Any],
-           progress: Callable[[Step], None] = lambda step: None) -> BisectResult:
+           progress: Callable[[Step], None] = lambda step: None, config: RunConfig | None = None) -> BisectResult:
     commits = commits_between(repo, old, new)
 
     def check(commit: str) -> Step:
-        return check_commit(repo, commit, scenarios, target, timeout=timeout, reporter_factory=reporter_factory)
+        return check_commit(repo, commit, scenarios, target, timeout=timeout, reporter_factory=reporter_factory,
+                            config=config)
 
     return search(commits, check, progress)
 

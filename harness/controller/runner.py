@@ -13,10 +13,11 @@ from shardcheck.harness.controller.reach_report import Reach
 from shardcheck.harness.controller.repro import target_refusal
 from shardcheck.harness.controller.worlds import World, world_for
 from shardcheck.harness import wire
-from shardcheck.harness.wire import EXPLAIN, ROOT_CAUSES, Checks
+from shardcheck.harness.wire import EXPLAIN, ROOT_CAUSES
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
-from shardcheck.targets.base import TargetConfig, data_path, knob_skip_reason, step_skip_reason
+from shardcheck.run_config import RunConfig, active, effective, in_effect
+from shardcheck.targets.base import data_path, knob_skip_reason, step_skip_reason
 
 
 class Reporter(Protocol):
@@ -42,15 +43,17 @@ class RunResult:
 _RESOLVED: dict[tuple, Target] = {}
 
 
-def controller_target(spec: str) -> Target:
+def controller_target(spec: str, config: RunConfig | None = None) -> Target:
     """The target as the controller needs it (capabilities, contract, a description until the
-    ranks give theirs), resolved once per spec and setting: a ``SHARDCHECK_*`` variable (the
-    slime checkout, its commit) changes what a spec names, so it is part of the key. For slime
-    resolving is a ``git rev-parse`` and a parse of its source: a fuzz search or a pytest
-    session must not pay it per scenario."""
-    key = (spec, tuple(sorted(wire.target_settings().items())))
+    ranks give theirs), configured by ``config`` (default: the run configuration in effect),
+    resolved once per spec, configuration and setting: a user's ``SHARDCHECK_*`` variable (a
+    commit pin) changes what a spec names, so it is part of the key. For slime resolving is a
+    ``git rev-parse`` and a parse of its source: a fuzz search or a pytest session must not pay
+    it per scenario."""
+    config = (config or effective(spec)).for_target(spec)
+    key = (spec, config.target_key(), tuple(sorted(wire.user_settings().items())))
     if key not in _RESOLVED:
-        _RESOLVED[key] = resolve(spec)
+        _RESOLVED[key] = resolve(spec, config.target_config)
     return _RESOLVED[key]
 
 
@@ -102,14 +105,15 @@ def run(
     reporter: Reporter,
     nproc: int | None = None,
     timeout: float = 60.0,
-    lockstep: bool = True,
-    trace: bool = False,
+    lockstep: bool | None = None,
+    trace: bool | None = None,
     world: World | None = None,
-    backend: str = "gloo",
-    inplace: bool = True,
-    coverage: bool = False,
+    backend: str | None = None,
+    inplace: bool | None = None,
+    coverage: bool | None = None,
     repro: str | None = None,
-    mask_leak: bool = True,
+    mask_leak: bool | None = None,
+    config: RunConfig | None = None,
 ) -> RunResult:
     """Check every scenario; ranks start once (on first need) and are reused throughout.
 
@@ -120,8 +124,26 @@ def run(
     its own). ``inplace`` checks that the target leaves its inputs unchanged (``input_mutated``).
     ``coverage`` measures which lines of the target's ``framework_files`` ran (``info.coverage``).
     ``mask_leak`` runs a training step again with NaN at every masked position (``mask_leak``).
+    ``config``: the target's configuration and the run's switches (default: the configuration in
+    effect, else the environment's: :func:`shardcheck.run_config.effective`); a switch given here
+    overrides its own. The world started here is gloo's where neither names a backend.
     """
-    target = controller_target(target_spec)
+    configured = config is not None or active() is not None
+    config = (config or effective(target_spec)).for_target(target_spec)
+    switches = {"lockstep": lockstep, "trace": trace, "inplace": inplace, "coverage": coverage,
+                "mask_leak": mask_leak, "backend": backend}
+    config = config.replace(**{k: v for k, v in switches.items() if v is not None})
+    world_backend = config.backend if backend is not None or configured else "gloo"
+    with in_effect(config):  # the world's ranks, and whatever else asks, run with it
+        return _run(scenarios, config, reporter=reporter, nproc=nproc, timeout=timeout, world=world, repro=repro,
+                    backend=world_backend)
+
+
+def _run(scenarios: Sequence[Scenario], config: RunConfig, *, reporter: Reporter, nproc: int | None,
+         timeout: float, world: World | None, repro: str | None, backend: str) -> RunResult:
+    target_spec, lockstep, inplace = config.target, config.lockstep, config.inplace
+    coverage, mask_leak = config.coverage, config.mask_leak
+    target = controller_target(target_spec, config)
     t0 = time.perf_counter()
     # A given world has its size already: scenarios it cannot hold are skipped, not run on it.
     given = world.nproc if world is not None else nproc
@@ -139,7 +161,8 @@ def run(
     chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     world = chosen.world
     info = RunInfo(target.describe(), target_spec, size, world.backend, chosen.why, world.lockstep, inplace=inplace,
-                   repro=repro if target_refusal(target) is None else None, target_config=_target_config(target),
+                   repro=repro if target_refusal(target) is None else None,
+                   target_config=_target_config(target, config),
                    mask_leak=mask_leak)
     reach = Reach(str(target.src) if target.src is not None else None) if coverage else None
     reporter.start(info, list(scenarios))
@@ -155,8 +178,7 @@ def run(
             # a (re)start is reported on its own (startup_seconds), not charged to the scenario
             world.ensure_ready()
             started = time.perf_counter()
-            results = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace,
-                                                                  coverage=coverage, mask_leak=mask_leak))
+            results = world.run(sc.to_dict(), target_spec, config.checks())
             verdict = merge(sc, results, time.perf_counter() - started)
             verdict.layout_note = _layout_note(target, sc)
             _place(verdict, getattr(world, "placement", None))
@@ -164,8 +186,7 @@ def run(
                 # the call site of an in-place write, and where a backward collective's autograd
                 # node was made, are found by watches too dear to keep on: run the scenario again
                 # with them (every rank decides the same, from the verdict)
-                again = world.run(sc.to_dict(), target_spec, Checks(trace_calls=trace, inplace=inplace, explain=True,
-                                                                    mask_leak=mask_leak))
+                again = world.run(sc.to_dict(), target_spec, config.checks(explain=True, coverage=False))
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
                 info.target = results[0].target
@@ -189,8 +210,8 @@ def run(
     return RunResult([v for _, v in verdicts], info)
 
 
-def _target_config(target: Any) -> dict[str, Any]:
+def _target_config(target: Any, run: RunConfig) -> dict[str, Any]:
     """The target's checkout (as resolved) and options, as a report keeps them."""
-    config = TargetConfig.from_environment()
+    config = run.target_config
     src = target.src
     return {"src": str(src) if src is not None else config.src, "options": [list(kv) for kv in config.options]}

@@ -258,10 +258,15 @@ class SpawnedWorld:
         return [results[r] for r in range(self.nproc)]
 
     def _send_run(self, seq: int, scenario: dict[str, Any], target: str, checks: Checks) -> bool:
+        from shardcheck.run_config import effective
+
+        # the run's configuration goes with the scenario: a world started before it changed (a
+        # pytest session's, bisect's next commit) runs what the controller means now
+        config = effective(target).to_wire()
         for r, conn in enumerate(self._conns):
             try:
                 conn.send(wire.message(wire.RUN, scenario=scenario, target=target, seq=seq,
-                                       checks=checks.to_wire(), settings=wire.target_settings()))
+                                       checks=checks.to_wire(), config=config, settings=wire.user_settings()))
             except OSError:  # BrokenPipe: the rank is gone
                 self._died_idle(r)
                 return False

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal before anything else
     from shardcheck.harness.wire import Checks, RankResult
+    from shardcheck.run_config import RunConfig
 
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
@@ -83,9 +84,12 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         if name == wire.STOP:
             break
         if name == wire.RUN:
+            from shardcheck.run_config import RunConfig
+
             checks = wire.Checks.from_wire(kwargs["checks"])
             wire.apply_settings(kwargs.get("settings", {}))
-            result = runner.run(kwargs["scenario"], kwargs["target"], kwargs["seq"], checks)
+            config = RunConfig.from_wire(kwargs["config"]) if "config" in kwargs else None
+            result = runner.run(kwargs["scenario"], kwargs["target"], kwargs["seq"], checks, config)
             conn.send(wire.message(wire.RESULT, **result.to_wire()))
     try:
         dist.destroy_process_group()
@@ -160,14 +164,17 @@ class RankRunner:
         self._current: Any = None
         self.layout: dict[str, Any] | None = None  # the scenario's rows as the framework built them
 
-    def target(self, spec: str) -> Any:
-        """The target for ``spec`` and its settings (the ``SHARDCHECK_*`` environment the
-        controller handed over: a checkout, ``--target-opt``s), resolved once. Moving to another
+    def target(self, spec: str, config: RunConfig | None = None) -> Any:
+        """The target for ``spec`` as ``config`` configures it (a checkout, ``--target-opt``s;
+        default: the configuration in effect here) and as the user's ``SHARDCHECK_*`` variables
+        the controller handed over leave it (a commit pin), resolved once. Moving to another
         target first undoes what the previous one set process-wide (``release()``: slime's stubs,
         its env and sys.path), so the next target runs in the process it would have had alone."""
         from shardcheck.harness import wire
+        from shardcheck.run_config import effective
 
-        key = (spec, tuple(sorted(wire.target_settings().items())))
+        config = (config or effective(spec)).for_target(spec)
+        key = (spec, config.target_key(), tuple(sorted(wire.user_settings().items())))
         if self._current not in (None, key):
             previous = self._targets.get(self._current)
             if previous is not None:
@@ -179,7 +186,7 @@ class RankRunner:
         if key not in self._targets:
             from shardcheck.targets import resolve
 
-            self._targets[key] = resolve(spec)
+            self._targets[key] = resolve(spec, config.target_config)
         return self._targets[key]
 
     def close(self) -> None:
@@ -196,17 +203,22 @@ class RankRunner:
         trace.reset()
         groups.reset()
 
-    def run(self, scenario: dict[str, Any], target: str, seq: int, checks: Checks | None = None) -> RankResult:
+    def run(self, scenario: dict[str, Any], target: str, seq: int, checks: Checks | None = None,
+            config: RunConfig | None = None) -> RankResult:
         """One scenario on this rank, with ``checks`` (the wire's Checks; the default ones
-        when None). The explain check is a dispatch mode on every op: it is run only to explain
-        a change already found."""
+        when None) and the run's ``config`` (the one in effect here when None: a joined world's
+        controller is this process). The explain check is a dispatch mode on every op: it is run
+        only to explain a change already found."""
         from shardcheck.harness import wire
         from shardcheck.harness.rank.checks import CHECKS
         from shardcheck.harness.rank.pipeline import CheckRaised, Frame, pipeline_for
         from shardcheck.harness.wire import Failure, RankResult
 
+        from shardcheck.run_config import effective
+
         t0 = time.perf_counter()
         checks = checks or wire.Checks()
+        config = (config or effective(target)).for_target(target)
         pipeline = pipeline_for(checks, CHECKS)
         # what the scenario has found so far: kept when a later step (the backward) fails
         frame = Frame(self.rank, seq, scenario.get("name", "?"), checks, self.lockstep, found=[])
@@ -219,10 +231,10 @@ class RankRunner:
             if checks.coverage:
                 from shardcheck.harness.rank.reach import measured
 
-                with measured(self.target(target), reached):
-                    described, produced = self._run(scenario, target, frame, pipeline)
+                with measured(self.target(target, config), reached):
+                    described, produced = self._run(scenario, config, frame, pipeline)
             else:
-                described, produced = self._run(scenario, target, frame, pipeline)
+                described, produced = self._run(scenario, config, frame, pipeline)
             pipeline.frame("finish", frame)
         except BaseException as exc:  # noqa: BLE001  (a crash of the target is a finding)
             if not pipeline.claim(frame, exc):  # a check's own finding, or the target raised
@@ -306,7 +318,7 @@ class RankRunner:
             rollout=rollout,
         )
 
-    def _run(self, scenario_dict: dict[str, Any], spec: str, frame: Any, pipeline: Any) -> tuple[dict, dict | None]:
+    def _run(self, scenario_dict: dict[str, Any], config: RunConfig, frame: Any, pipeline: Any) -> tuple[dict, dict | None]:
         """The scenario's steps; findings go into the frame's ``found`` and ``errors`` as they are
         made, so a step that raises (the backward) does not hide what the earlier ones found."""
         import torch
@@ -322,7 +334,7 @@ class RankRunner:
         from shardcheck.targets.base import definitions, description
 
         sc = Scenario.from_dict(scenario_dict)
-        target = self.target(spec)
+        target = self.target(config.target, config)
         groups.configure(sc.tp, sc.cp)
         form = loss_form(target)
         if form == "step":  # the whole training step around the target (harness/rank/training_step.py)
