@@ -49,6 +49,15 @@ from typing import Any
 
 from shardcheck.harness.wire import Checks, Failure
 
+GROUP = "shardcheck.checks"
+
+# The built-ins' entry-point names, in the order they are called (a plugin's come after them):
+# collective_trace first: it frames the scenario (every collective from its begin on is traced);
+# inputs_unchanged next: a write into the inputs is seen before anything reads them again;
+# output_form before the comparison: it ends the life where the outputs cannot be read.
+BUILT_IN: tuple[str, ...] = ("collective_trace", "inputs_unchanged", "output_form", "reference_comparison",
+                             "output_capture")
+
 EXTRA_ENV = "SHARDCHECK_CHECKS"
 POINTS = ("inputs_made", "forward", "after_forward", "before_backward", "backward", "after_backward", "result",
           "after_step")
@@ -240,7 +249,7 @@ def pipeline_for(flags: Checks, listed: Sequence[type[Check]] = ()) -> Pipeline:
 
 def registered_checks() -> tuple[type[Check], ...]:
     """Every check in the ``shardcheck.checks`` entry-point group: the built-ins first, in the
-    order ``checks.BUILT_IN`` declares, then the others by name. BadCheck (one line) for one that
+    order :data:`BUILT_IN` declares, then the others by name. BadCheck (one line) for one that
     cannot be loaded or is no Check, a name registered twice, or a built-in missing (shardcheck's
     own metadata older than its code: it must be reinstalled, never run without its checks)."""
     return _registered(tuple(sys.path))
@@ -250,7 +259,6 @@ def plugin_checks() -> tuple[type[Check], ...]:
     """The registered checks that are not shardcheck's own, loaded (BadCheck as above); the
     built-ins are only found registered, not imported (they import torch: a command line's
     preflight must not pay for it)."""
-    from shardcheck.harness.rank.checks import BUILT_IN
 
     return tuple(_load(ep) for ep in _entry_points(tuple(sys.path)) if ep.name not in BUILT_IN)
 
@@ -266,7 +274,6 @@ def _entry_points(path: tuple[str, ...]) -> list[Any]:
     they are found on)."""
     from importlib.metadata import entry_points
 
-    from shardcheck.harness.rank.checks import BUILT_IN, GROUP
 
     points: dict[str, Any] = {}
     for ep in entry_points(group=GROUP):
@@ -290,8 +297,6 @@ def _load(ep: Any) -> type[Check]:
     try:
         cls = ep.load()
     except Exception as exc:  # noqa: BLE001  (a plugin's import: whatever it raises)
-        from shardcheck.harness.rank.checks import GROUP
-
         raise BadCheck(f"the check {ep.name!r} registered in {GROUP} ({_origin(ep)}) cannot be loaded: "
                        f"{type(exc).__name__}: {' '.join(str(exc).split())}") from None
     if not (isinstance(cls, type) and issubclass(cls, Check)):
