@@ -46,10 +46,10 @@ from __future__ import annotations
 import ast
 import functools
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.scenarios.scenario import Scenario
+from shardcheck.scenarios.scenario import LAYOUTS, Scenario
 from shardcheck.targets.areal_data import (DATA_FILE, ENGINE_FILE, GLOO_SAFE_DIST_F, TRAIN_ENGINE_FILE,
                                            ArealDataPath, ArealEnginePath, engine_facts, packing_facts)
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
@@ -132,23 +132,6 @@ def detect_era(src: Path) -> dict[str, Any]:
             "engine": engine_facts(src)}
 
 
-class _Capabilities(Capabilities):
-    """Capabilities with a reason per unsupported layout and a scenario rule of the variant's own
-    (the data path's micro-batch limit, the CP all-gather on gloo)."""
-
-    def __init__(self, *, layout_reasons: dict[str, str], rule: Callable[[Scenario], str | None] | None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        object.__setattr__(self, "layout_reasons", dict(layout_reasons))
-        object.__setattr__(self, "rule", rule)
-
-    def skip_reason(self, scenario: Scenario) -> str | None:
-        if scenario.layout in self.layout_reasons:  # type: ignore[attr-defined]
-            return self.layout_reasons[scenario.layout]  # type: ignore[attr-defined]
-        why = super().skip_reason(scenario)
-        return why if why is not None or self.rule is None else self.rule(scenario)  # type: ignore[attr-defined]
-
-
 class ArealTarget(CheckoutTarget):
     """AReaL's gather_logprobs(_entropy) and its Megatron engine's call sites, from a checkout (see the
     module docstring)."""
@@ -222,8 +205,9 @@ class ArealTarget(CheckoutTarget):
             built = self.data_path.builds(scenario) if engine and self.data_path is not None else None
             return built or self._all_gather_rule(scenario)
 
-        return _Capabilities(
-            layout_reasons=reasons, rule=rule, entropy=self.variant != "forward",
+        return Capabilities(
+            layouts=frozenset(LAYOUTS) - set(reasons), layout_reasons=tuple(reasons.items()), rule=rule,
+            entropy=self.variant != "forward",
             reasons=(("entropy", "forward_batch computes log-probs only (_compute_forward_result: gather_logprobs)"),
                      ("replay_keep", "AReaL normalises over the whole vocabulary: it replays no keep sets"),
                      ("sampling", "AReaL applies no top-k / top-p filter to the training logits")))

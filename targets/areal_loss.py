@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import time
 import types
@@ -60,7 +61,7 @@ from shardcheck.targets.areal import ENTRY_POINTS, ArealTarget, _closure
 from shardcheck.targets.areal_data import (ENGINE_CLASS, ENGINE_FILE, ENGINE_METHODS, GLOO_SAFE_DIST_F,
                                            TRAIN_ENGINE_FILE, ArealDataPath, ArealEnginePath, _dataclass, _parse,
                                            _top_level, module_constants)
-from shardcheck.targets.base import Definitions, RankInputs, RankOutputs
+from shardcheck.targets.base import Capabilities, Definitions, RankInputs, RankOutputs
 from shardcheck.targets.compiled import compile_alone
 
 ACTOR_FILES = (Path("areal/trainer/ppo/actor.py"), Path("areal/engine/ppo/actor.py"))  # moved under trainer/
@@ -383,15 +384,15 @@ class ArealLossTarget(ArealTarget):
                 f"loss_multiplier = {norm['loss_multiplier'][0]} ({ENGINE_FILE.name}:{norm['loss_multiplier'][1]}),"
                 f" loss_scale {LOSS_SCALE}; megatron's calculate_per_token_loss=False")
 
-    def _capabilities(self) -> Any:
+    def _capabilities(self) -> Capabilities:
         caps = super()._capabilities()
-        inner = caps.rule  # type: ignore[attr-defined]
+        inner = caps.rule
 
         def rule(scenario: Scenario) -> str | None:
-            return self._entropy_rule(scenario) or inner(scenario) or fully_masked_micro_batch(scenario)
+            return (self._entropy_rule(scenario) or (inner(scenario) if inner is not None else None)
+                    or fully_masked_micro_batch(scenario))
 
-        object.__setattr__(caps, "rule", rule)
-        return caps
+        return dataclasses.replace(caps, rule=rule)
 
     def _entropy_rule(self, scenario: Scenario) -> str | None:
         if scenario.entropy_coef == 0 or self.entropy_bonus == "adapter":

@@ -26,6 +26,7 @@ its framework splits the global batch (None where its commit has no splitter of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Protocol, runtime_checkable
@@ -39,9 +40,17 @@ from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a target supports; ``reasons`` says why not ("entropy", "layout", "dtype", "tp", "cp",
-    "replay_keep" keys). ``tp_sizes``/``cp_sizes``: the sizes it runs at (None: any), so a target
-    without vocab-parallel or context-parallel code says ``tp_sizes=frozenset({1})``."""
+    """What a target supports; ``reasons`` says why not ("entropy", "entropy_grad", "layout",
+    "dtype", "tp", "cp", "sampling", "replay_keep" keys). ``tp_sizes``/``cp_sizes``: the sizes it
+    runs at (None: any), so a target without vocab-parallel or context-parallel code says
+    ``tp_sizes=frozenset({1})``. The fields after ``reasons`` came later: they follow it so that
+    a call passing the first ones by position means what it did.
+
+    ``layout_reasons``: why a given layout outside ``layouts`` is not supported ((layout, reason)
+    pairs), where one reason for every layout ("layout" in ``reasons``) says too little.
+    ``rule``: the target's own condition on a scenario (its framework's shape or padding
+    requirements, say), asked only once every capability above holds: a skip reason, or None to
+    run it."""
 
     layouts: frozenset[str] = frozenset(LAYOUTS)
     entropy: bool = True
@@ -53,14 +62,21 @@ class Capabilities:
     tp_sizes: frozenset[int] | None = None
     cp_sizes: frozenset[int] | None = None
     reasons: tuple[tuple[str, str], ...] = ()
+    # the entropy it returns has a gradient (False: a metric only, so a loss with an entropy term,
+    # entropy_coef != 0, is outside what it supports)
+    entropy_grad: bool = True
+    layout_reasons: tuple[tuple[str, str], ...] = ()
+    rule: Callable[[Scenario], str | None] | None = None
 
     def skip_reason(self, scenario: Scenario) -> str | None:
         why = dict(self.reasons)
         if scenario.layout not in self.layouts:
-            return why.get("layout") or (
+            return dict(self.layout_reasons).get(scenario.layout) or why.get("layout") or (
                 f"layout {scenario.layout} not supported (supports {', '.join(sorted(self.layouts))})")
         if scenario.with_entropy and not self.entropy:
             return why.get("entropy") or "entropy not supported"
+        if scenario.with_entropy and scenario.entropy_coef != 0 and not self.entropy_grad:
+            return why.get("entropy_grad") or "its entropy has no gradient: entropy_coef must be 0"
         if scenario.dtype not in self.dtypes:
             return why.get("dtype") or (
                 f"dtype {scenario.dtype} not supported (supports {', '.join(sorted(self.dtypes))})")
@@ -71,7 +87,7 @@ class Capabilities:
             return why.get("sampling") or "applies no top-k / top-p filter to the logits (sampling scenarios)"
         if scenario.replay_keep and not self.replay_keep:
             return why.get("replay_keep") or "does not apply replayed keep sets (top-p / top-k replay)"
-        return None
+        return self.rule(scenario) if self.rule is not None else None
 
 
 @dataclass(frozen=True)

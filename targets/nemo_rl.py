@@ -153,27 +153,6 @@ def _enclosing(tree: ast.Module, node: ast.AST) -> str:
     return "<module>"
 
 
-class _Capabilities(Capabilities):
-    """Capabilities with a reason per unsupported layout, and NeMo-RL's own shape requirements of
-    the top-k/top-p path (sampling variant)."""
-
-    def __init__(self, *, layout_reasons: dict[str, str], framework_rows: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        object.__setattr__(self, "layout_reasons", dict(layout_reasons))
-        object.__setattr__(self, "framework_rows", framework_rows)
-
-    def skip_reason(self, scenario: Scenario) -> str | None:
-        reasons: dict[str, str] = self.layout_reasons  # type: ignore[attr-defined]
-        if scenario.layout not in self.layouts and scenario.layout in reasons:
-            return reasons[scenario.layout]
-        why = super().skip_reason(scenario)
-        if why is None and self.sampling:
-            # NeMo-RL's own packing pads every sequence to a multiple of tp: only its chunk rule is left
-            why = sampling_shape_reason(scenario, self.framework_rows  # type: ignore[attr-defined]
-                                        and scenario.layout in ("thd", "zigzag"))
-        return why
-
-
 def scenario_sampling(obj: Any) -> tuple[int | None, float] | None:
     """(top_k, top_p) of a scenario or RankInputs (``top_k``/``top_p``; 0 and 1.0: off), as
     NeMo-RL's TrainingSamplingParams spell it (top_k None: off), or None when nothing filters."""
@@ -328,8 +307,15 @@ class NemoRLTarget(CheckoutTarget):
         kwargs: dict[str, Any] = {}
         if cp_sizes is not None:
             kwargs["cp_sizes"] = cp_sizes
-        return _Capabilities(
-            layout_reasons=reasons, sampling=self.variant == "sampling", framework_rows=self.data_path is not None,
+        sampling = self.variant == "sampling"
+        # NeMo-RL's own packing pads every sequence to a multiple of tp: only its chunk rule is left
+        framework_rows = self.data_path is not None
+
+        def sampling_shape(scenario: Scenario) -> str | None:
+            return sampling_shape_reason(scenario, framework_rows and scenario.layout in ("thd", "zigzag"))
+
+        return Capabilities(
+            layout_reasons=tuple(reasons.items()), sampling=sampling, rule=sampling_shape if sampling else None,
             layouts=frozenset(layouts), entropy=bool(era["entropy"]),
             replay_keep=False,
             reasons=(("layout", f"NeMo-RL at {self.short()} supports {', '.join(sorted(layouts))}"),

@@ -131,22 +131,6 @@ def detect_era(src: Path) -> dict[str, Any]:
     }
 
 
-class _Capabilities(Capabilities):
-    """SkyRL's capabilities, with a reason for all-gather CP and the fused LM-head path's entropy,
-    which has no gradient."""
-
-    def __init__(self, *, fused: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        object.__setattr__(self, "fused", fused)
-
-    def skip_reason(self, scenario: Scenario) -> str | None:
-        if scenario.layout == "allgather":
-            return ALLGATHER_WHY
-        if self.fused and scenario.with_entropy and scenario.entropy_coef != 0:  # type: ignore[attr-defined]
-            return FUSED_ENTROPY_WHY
-        return super().skip_reason(scenario)
-
-
 def _refuse_old_tree(src: str | None) -> None:
     """A checkout from before the tree moved (2c1cf9e4f) is named as such, not as a wrong folder."""
     given = src or os.environ.get(FRAMEWORK.env)
@@ -186,11 +170,12 @@ class SkyRLTarget(CheckoutTarget):
             loss_over="held", loss_source=f"SkyRL gathers its log-probs over CP with {gather} and takes each CP "
                                           "rank's loss over the whole gathered sequence, not divided by cp")
         layouts = {"bshd"} | ({"thd", "zigzag"} if self.era["thd_path"] else set())
-        self.capabilities = _Capabilities(
-            fused=self.fused, layouts=frozenset(layouts), entropy=True, replay_keep=False, sampling=False,
+        self.capabilities = Capabilities(
+            layouts=frozenset(layouts), entropy=True, entropy_grad=not self.fused, replay_keep=False, sampling=False,
+            layout_reasons=(("allgather", ALLGATHER_WHY),),
             reasons=(("layout", f"SkyRL at {self.short()} has no sequence packing the adapter follows "
                                 f"({PACK} without {UNPACK} or the packed log-probs)"),
-                     ("replay_keep", REPLAY_WHY), ("sampling", SAMPLING_WHY)))
+                     ("entropy_grad", FUSED_ENTROPY_WHY), ("replay_keep", REPLAY_WHY), ("sampling", SAMPLING_WHY)))
         self._mod: Any = None
 
     def forget(self) -> None:

@@ -49,7 +49,7 @@ from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import RankInputs, RankOutputs, TargetConfig
 from shardcheck.targets.compiled import _not_loaded, compile_alone, names_read
 from shardcheck.targets.passthrough import Recorder
-from shardcheck.targets.skyrl import LOGPROBS, PACKED, SkyRLTarget, _Capabilities
+from shardcheck.targets.skyrl import LOGPROBS, PACKED, SkyRLTarget
 from shardcheck.targets.skyrl_data import WRAPPER, top_level
 
 UTILS = Path("skyrl/backends/skyrl_train/utils")
@@ -166,18 +166,6 @@ def detect_loss_era(src: Path) -> dict[str, Any]:
 
 # ---- the target --------------------------------------------------------------------------------
 
-class _StepCapabilities(_Capabilities):
-    """SkyRL's capabilities, and the scenarios whose entropy term SkyRL reduces otherwise than the
-    declared objective (its entropy is each micro-batch's token mean, not loss_reduction's)."""
-
-    def __init__(self, *, objective: str = "token_mean", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        object.__setattr__(self, "objective", objective)
-
-    def skip_reason(self, scenario: Scenario) -> str | None:
-        return super().skip_reason(scenario) or entropy_reduction_differs(scenario, self.objective)  # type: ignore
-
-
 ENTROPY_WHY = ("SkyRL's entropy term is each micro-batch's masked token mean, averaged over the micro-batches and "
                "data-parallel replicas (megatron_model_wrapper.py loss_func: 'The KL and entropy loss terms are not "
                "pre-scaled'; loss_reduction scales the policy loss only)")
@@ -242,9 +230,10 @@ class SkyRLLossTarget(SkyRLTarget):
         self.definitions = dataclasses.replace(
             self.definitions, objective=objective,
             objective_source=f"SkyRL's loss_reduction={self.reduction}, by {where}")
-        caps = self.capabilities
-        self.capabilities = _StepCapabilities(objective=objective, layouts=caps.layouts, entropy=True,
-                                              replay_keep=False, sampling=False, reasons=caps.reasons)
+        # and the scenarios whose entropy term SkyRL reduces otherwise than the declared objective (its
+        # entropy is each micro-batch's token mean, not loss_reduction's)
+        self.capabilities = dataclasses.replace(
+            self.capabilities, rule=lambda scenario: entropy_reduction_differs(scenario, objective))
         self.framework_files = tuple(dict.fromkeys(self.framework_files + tuple(
             str(f) for f in (WRAPPER, PPO, TORCH_UTILS))))
         self._compiled: dict[str, Any] | None = None

@@ -69,7 +69,6 @@ import builtins
 import functools
 import symtable
 import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +302,7 @@ class VerlTarget(CheckoutTarget):
         self._modules: dict[str, types.ModuleType] | None = None
 
     def _capabilities(self) -> Capabilities:
-        return VerlCapabilities(
+        return Capabilities(
             layouts=frozenset({"thd", "bshd", "zigzag"}), entropy=True,
             layout_reasons=(("allgather", ALLGATHER_WHY),), reasons=(("replay_keep", REPLAY_WHY),))
 
@@ -355,24 +354,6 @@ class VerlTarget(CheckoutTarget):
         log_probs = tp.vocab_parallel_log_probs_from_logits(logits, labels)
         rows = inputs.scored_rows()
         return RankOutputs(_take(log_probs, rows), _take(entropy, rows) if entropy is not None else None)
-
-
-@dataclass(frozen=True)
-class VerlCapabilities(Capabilities):
-    """Capabilities with a reason per unsupported layout and, where verl's own packing lays out
-    the rows (``verl:actor`` on the engine), its padding rule: a scenario whose rows verl's
-    packing puts elsewhere than the harness's layout is skipped with the reason."""
-
-    layout_reasons: tuple[tuple[str, str], ...] = ()
-    packing: bool = False
-
-    def skip_reason(self, scenario: Scenario) -> str | None:
-        if scenario.layout not in self.layouts and scenario.layout in dict(self.layout_reasons):
-            return dict(self.layout_reasons)[scenario.layout]
-        why = super().skip_reason(scenario)
-        if why is None and self.packing:
-            why = packing_mismatch(scenario)
-        return why
 
 
 def packing_mismatch(sc: Scenario) -> str | None:
@@ -447,9 +428,12 @@ class VerlActorTarget(VerlTarget):
         if not has_bshd:
             reasons.append(("bshd", f"verl at {self.short()}: the engine packs thd only (no preprocess_bshd_engine "
                                     f"or preprocess_bshd_no_padding in {UTIL_FILE})"))
-        return VerlCapabilities(layouts=frozenset({"thd", "zigzag"} | ({"bshd"} if has_bshd else set())),
-                                entropy=True, layout_reasons=tuple(reasons), packing=self.data_path is None,
-                                reasons=(("replay_keep", REPLAY_WHY),))
+        # with no data path of its own the adapter packs the harness's samples with verl's packing
+        # functions: a scenario whose rows they put elsewhere than the harness's layout is skipped
+        return Capabilities(layouts=frozenset({"thd", "zigzag"} | ({"bshd"} if has_bshd else set())),
+                            entropy=True, layout_reasons=tuple(reasons),
+                            rule=packing_mismatch if self.data_path is None else None,
+                            reasons=(("replay_keep", REPLAY_WHY),))
 
     def description(self) -> dict[str, Any]:
         out = super().description()

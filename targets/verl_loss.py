@@ -47,6 +47,7 @@ import importlib.util
 import symtable
 import types
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,10 @@ import torch
 
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
-from shardcheck.targets.base import Definitions, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.base import Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig
 from shardcheck.targets.compiled import _not_loaded, names_read
 from shardcheck.targets.source import functions_named, parameters
-from shardcheck.targets.verl import (ENGINE_FILE, FRAMEWORK, TP_FILE, UTIL_FILE, VerlActorTarget,
-                                     VerlCapabilities, _Config)
+from shardcheck.targets.verl import ENGINE_FILE, FRAMEWORK, TP_FILE, UTIL_FILE, VerlActorTarget, _Config
 
 LOSSES_FILE = Path("verl/workers/utils/losses.py")
 LOSSES_MODULE = "verl.workers.utils.losses"
@@ -310,24 +310,25 @@ TENSORDICT_STAND_IN = ("tensordict is not installed: verl's loss path gets shard
 # the target
 
 
-@dataclasses.dataclass(frozen=True)
-class LossCapabilities(VerlCapabilities):
-    """The engine's capabilities, a reason that holds for every scenario (an aggregation whose
-    objective the reference does not compute), and the scenarios whose rows verl's packing does
-    not lay out (the loss runs on verl's rows only)."""
+def loss_capabilities(engine: Capabilities, unchecked: str | None,
+                      builds: Callable[[Scenario], str | None]) -> Capabilities:
+    """The engine's capabilities less the scenarios whose rows verl's packing does not lay out
+    (``builds``: the data path's reason not to; the loss runs on verl's rows only). With
+    ``unchecked`` (why the aggregation asked for has no objective the reference computes) it
+    supports no layout, so that reason skips every scenario."""
+    if unchecked:
+        return Capabilities(layouts=frozenset(), reasons=(("layout", unchecked),))
+    inner = engine.rule
 
-    unchecked: str = ""
-    builds: Any = None  # Callable[[Scenario], str | None]: the data path's reason not to lay a scenario out
-
-    def skip_reason(self, scenario: Scenario) -> str | None:
-        if self.unchecked:
-            return self.unchecked
-        why = super().skip_reason(scenario)
-        if why is None and self.builds is not None:
-            built = self.builds(scenario)
+    def rule(scenario: Scenario) -> str | None:
+        why = inner(scenario) if inner is not None else None
+        if why is None:
+            built = builds(scenario)
             if built:
                 why = f"verl:loss runs on the rows verl's engine packing lays out: {built}"
         return why
+
+    return dataclasses.replace(engine, rule=rule)
 
 
 def _padded(rows: list[torch.Tensor], width: int, dtype: torch.dtype, device: Any, left: bool = False) -> torch.Tensor:
@@ -383,9 +384,7 @@ class VerlLossTarget(VerlActorTarget):
         self.objective, self.unchecked = self._objective()
         self.framework_files = (str(TP_FILE), str(UTIL_FILE), str(ENGINE_FILE), str(LOSSES_FILE), str(PADDING_FILE),
                                 str(CORE_ALGOS_FILE), str(TORCH_FUNCTIONAL_FILE))
-        base = self._capabilities()
-        self.capabilities = LossCapabilities(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                                             unchecked=self.unchecked or "", builds=self.data_path.builds)
+        self.capabilities = loss_capabilities(self._capabilities(), self.unchecked, self.data_path.builds)
         self._loss_fns: dict[str, Any] | None = None
         self._step_state: dict[str, Any] = {}
         self.engine_config_missing: set[str] = set()

@@ -59,7 +59,7 @@ def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, chec
                 result = runner.run(scenario, target, seq, traced)
                 labels = {name: groups.label(name) for name in {c["group"] for c in result.trace}}
             finally:
-                groups.reset()
+                groups.leave_world()  # the rank-list sharing and its lists stay for the next rank
                 trace.reset()
                 dist.destroy_process_group()
             out.append((result, labels))

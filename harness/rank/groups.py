@@ -1,19 +1,40 @@
-"""The rank side's one owner of process-group state (its module globals below; :func:`reset`).
+"""The rank side's one owner of process-group state (its module globals below; :func:`reset`
+puts every one of them back as it was at import).
 
 megatron-core's ``parallel_state`` holds the groups (as in the frameworks under test); this
-module is the only one that initialises, rebuilds or queries it. Everyone else asks here.
+module is the only one that initialises, switches or queries it. Everyone else asks here.
+
+A world runs scenarios of several (tp, cp) layouts in turn. The first time a layout is asked
+for, megatron-core's own ``destroy_model_parallel()`` and ``initialize_model_parallel(...)``
+build it, and what that call set in ``parallel_state`` (every module global it changed: the
+groups, their rank lists, megatron's list of groups, its memory buffer) is kept in
+:data:`_built`, keyed by (tp, cp). Switching back to a layout built before runs
+``destroy_model_parallel()`` and puts those values back instead of creating the groups again:
+creating a group is a rendezvous of the whole world, and megatron never frees a group
+(``destroy_model_parallel`` only drops its references), so rebuilding on every switch would be
+slow and would pile groups up in torch. Every rank calls :func:`configure` with the same
+arguments in the same order, so every rank builds (collectively) and restores (locally) the
+same layouts at the same points.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
+DEFAULT_TIMEOUT_S = 60.0
+
+# the (tp, cp) parallel_state holds now; None: none built here, or the world was left
 _config: tuple[int, int] | None = None
-_timeout_s: float = 60.0
-# megatron's group globals per (tp, cp) already built in this world: switching back restores them
-# instead of creating the groups again (gloo groups are never freed; a long run would pile them up)
+_timeout_s: float = DEFAULT_TIMEOUT_S
+# parallel_state's data globals as this module found them (after destroy_model_parallel), taken
+# before the first layout it builds in a world: what every layout's values are told apart from,
+# and what leaving the world puts back
+_clean: dict[str, Any] | None = None
+# per (tp, cp) built in this world, the parallel_state globals its initialize_model_parallel set
+# (those not identical to _clean's): the layout cache configure switches with
 _built: dict[tuple[int, int], dict[str, Any]] = {}
 # The fake world's fast path (share_rank_lists): megatron's rank lists, computed once per
 # (world size, sizes, mask) and kept across the simulated ranks of this process
@@ -23,15 +44,31 @@ _RANK_LISTS_KEPT = 256  # kinds of lists kept at most (about 16 a layout; a sear
 
 
 def reset() -> None:
-    """Forget every layout built here (their groups die with the default group), so a world
-    joined later in this process starts clean."""
-    global _config
-    from megatron.core import parallel_state as ps
+    """Everything this module holds back to its state at import: the world left
+    (:func:`leave_world`), the collective timeout, the fake world's rank-list sharing and the
+    lists it kept. For a process done with its world (a joined world may be followed by another,
+    which sets its own timeout)."""
+    global _timeout_s, _share
+    leave_world()
+    _timeout_s = DEFAULT_TIMEOUT_S
+    _share = False
+    _rank_lists.clear()
 
-    if ps.model_parallel_is_initialized():
+
+def leave_world() -> None:
+    """Forget every layout built here (their groups die with the default group) and put
+    megatron's parallel_state back as this module found it, so a world joined later in this
+    process starts clean; the settings (timeout, rank-list sharing and its lists) are kept, as
+    the fake world needs between two simulated ranks, each a world of its own."""
+    global _config, _clean
+    if _clean is not None:
+        from megatron.core import parallel_state as ps
+
         ps.destroy_model_parallel()
+        _put(ps, {})
     _built.clear()
     _config = None
+    _clean = None
 
 
 def set_timeout(seconds: float) -> None:
@@ -77,11 +114,12 @@ def _shared_rank_lists(ps: Any) -> Iterator[None]:
     def create_group(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
         if ranks is None or rank in ranks:
             return create(ranks, *args, **kwargs)
-        # what torch's new_group does for a non-member, less the group it never hands out
-        if kwargs.get("use_local_synchronization"):
-            return None
-        c10d._world.group_count += 1
-        return c10d.GroupMember.NON_GROUP_MEMBER
+        # what torch's new_group does for a non-member, less the group it never hands out: it
+        # takes the group's name (torch's own naming step, so the rank's later groups are named
+        # as they would be) and returns no group
+        local = bool(kwargs.get("use_local_synchronization"))
+        c10d._process_group_name(list(ranks), use_hashed_name=local)
+        return None if local else c10d.GroupMember.NON_GROUP_MEMBER
 
     ps.generate_masked_orthogonal_rank_groups, ps.create_group = rank_lists, create_group
     try:
@@ -91,23 +129,26 @@ def _shared_rank_lists(ps: Any) -> Iterator[None]:
 
 
 def configure(tp: int, cp: int) -> None:
-    """Make (tp, cp) the current model-parallel layout, rebuilding groups only on change.
+    """Make (tp, cp) the current model-parallel layout: built by megatron-core the first time it
+    is asked for in this world, put back from :data:`_built` after that (the module docstring).
 
     Every rank must call this with the same arguments in the same order (group creation is
     collective). Ranks are ordered TP-fastest, then CP, then data parallel, as megatron does.
     """
-    global _config
+    global _config, _clean
     if _config == (tp, cp):
         return
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    ps.destroy_model_parallel()
     _config = None
-    if (tp, cp) in _built:
-        for name, value in _built[(tp, cp)].items():
-            setattr(ps, name, value)
-    else:
+    if _clean is None:
+        _clean = _data_globals(ps)
+    layout = _built.get((tp, cp))
+    if layout is None:
+        # from the state megatron starts from in a fresh process, less what it holds of nothing
+        # built here (destroy_model_parallel leaves some globals, the rank lists, as they were)
+        _put(ps, {})
         with _shared_rank_lists(ps) if _share else contextlib.nullcontext():
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=tp,
@@ -115,8 +156,24 @@ def configure(tp: int, cp: int) -> None:
                 distributed_timeout_minutes=_timeout_s / 60.0,
                 create_gloo_process_groups=False,
             )
-        _built[(tp, cp)] = {k: v for k, v in vars(ps).items() if k.startswith("_") and k[1:2].isupper()}
+        now = _data_globals(ps)
+        layout = _built[(tp, cp)] = {k: v for k, v in now.items() if k not in _clean or v is not _clean[k]}
+    _put(ps, layout)
     _config = (tp, cp)
+
+
+def _data_globals(ps: Any) -> dict[str, Any]:
+    """parallel_state's module globals that hold state (not its functions, classes or imports)."""
+    return {k: v for k, v in vars(ps).items()
+            if not (k.startswith("__") or inspect.ismodule(v) or inspect.isroutine(v) or inspect.isclass(v))}
+
+
+def _put(ps: Any, layout: dict[str, Any]) -> None:
+    """parallel_state's globals as ``layout`` holds them: every global any layout built here set
+    takes the layout's value, or the one this module found (``{}``: parallel_state as found)."""
+    assert _clean is not None
+    for name in set().union(*_built.values()):
+        setattr(ps, name, layout[name] if name in layout else _clean.get(name))
 
 
 def _ps() -> Any:
