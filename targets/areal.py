@@ -44,6 +44,7 @@ report says which). AReaL's code is never changed.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,18 @@ def _closure(tree: ast.Module, roots: tuple[str, ...]) -> list[str]:
     return sorted(seen, key=lambda n: defs[n].lineno)
 
 
-def detect_era(src: Path) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class ArealEra:
+    """What an AReaL checkout offers (:func:`detect_era`). ``packing`` and ``engine`` are the data
+    path's and the engine's own facts (areal_data.packing_facts, engine_facts), read by them."""
+
+    functions: str  # "vocab_parallel" (tp_group explicit) or "mpu" (the TP group from parallel_state)
+    functions_file: str  # the file gather_logprobs(_entropy) are in
+    packing: dict[str, Any] | None  # None: no packing the adapter can run
+    engine: dict[str, Any] | None  # None: the engine's methods are not the ones the variants call
+
+
+def detect_era(src: Path) -> ArealEra:
     """What this checkout offers, from its source: which log-prob functions, its packing, its
     engine's call sites (nothing is imported)."""
     vocab_parallel = FRAMEWORK.parse(src, VOCAB_PARALLEL_FILE)
@@ -128,8 +140,8 @@ def detect_era(src: Path) -> dict[str, Any]:
     else:
         raise BadInput(f"AReaL at {src} has neither {VOCAB_PARALLEL_FILE} (gather_logprobs_entropy with tp_group) "
                        f"nor {MPU_FILE} with {MPU_ENTROPY_FILE}")
-    return {"functions": functions, "functions_file": str(where), "packing": packing_facts(src),
-            "engine": engine_facts(src)}
+    return ArealEra(functions=functions, functions_file=str(where), packing=packing_facts(src),
+                    engine=engine_facts(src))
 
 
 class ArealTarget(CheckoutTarget):
@@ -148,7 +160,7 @@ class ArealTarget(CheckoutTarget):
                            "shardcheck")
         super().__init__(config.src)
         self.era = detect_era(self.src)
-        packing, engine = self.era["packing"], self.era["engine"]
+        packing, engine = self.era.packing, self.era.engine
         self.data_path = ArealDataPath(self.src, packing) if packing and self.layout_option == "framework" else None
         if variant is not None:
             if engine is None:
@@ -163,7 +175,7 @@ class ArealTarget(CheckoutTarget):
             loss_over="gathered" if reassembles else "held",
             loss_source=self._loss_source(reassembles))
         self.framework_files = tuple(dict.fromkeys(
-            [self.era["functions_file"]] + ([str(MPU_ENTROPY_FILE)] if self.era["functions"] == "mpu" else [])
+            [self.era.functions_file] + ([str(MPU_ENTROPY_FILE)] if self.era.functions == "mpu" else [])
             + ([str(DATA_FILE), packing["cp_file"]] if self.data_path is not None else [])
             + ([str(ENGINE_FILE), str(TRAIN_ENGINE_FILE)] if variant is not None else [])))
         self.capabilities = self._capabilities()
@@ -177,7 +189,7 @@ class ArealTarget(CheckoutTarget):
                     "normalised over DP and CP")
         if self.variant is None:
             return "AReaL's log-probs are computed on each CP rank's own rows"
-        if self.era["engine"]["cp_local"]:
+        if self.era.engine["cp_local"]:
             return "AReaL's loss is handed each CP rank's own log-probs (d58cca56f until 95e2379d0)"
         return "AReaL's engine gathers the logits over CP, the gradient kept on each rank's own rows"
 
@@ -185,7 +197,7 @@ class ArealTarget(CheckoutTarget):
 
     def _all_gather_rule(self, scenario: Scenario) -> str | None:
         """areal:engine under CP where AReaL reassembles with torch's all-gather, on a gloo world."""
-        if scenario.cp == 1 or self.variant not in TRAIN_PATH_VARIANTS or not self.era["engine"]["reassembles"] \
+        if scenario.cp == 1 or self.variant not in TRAIN_PATH_VARIANTS or not self.era.engine["reassembles"] \
                 or self.cp_all_gather is not None or _ranks_on_nccl():
             return None
         return ("AReaL's reassemble_cp_packed_logprobs calls torch.distributed.nn.functional.all_gather, whose "
@@ -220,10 +232,10 @@ class ArealTarget(CheckoutTarget):
             import torch
             import torch.distributed as dist
 
-            path = self.src / self.era["functions_file"]
-            tree = FRAMEWORK.parse(self.src, self.era["functions_file"])
+            path = self.src / self.era.functions_file
+            tree = FRAMEWORK.parse(self.src, self.era.functions_file)
             given: dict[str, Any] = {"torch": torch, "dist": dist, "functools": functools}
-            if self.era["functions"] == "mpu":
+            if self.era.functions == "mpu":
                 from megatron.core import parallel_state as mpu
                 from megatron.core import tensor_parallel
 
@@ -242,7 +254,7 @@ class ArealTarget(CheckoutTarget):
 
             fns = self._functions()
             try:
-                self._engine = ArealEnginePath(self.src, self.era["engine"], self.data_path,
+                self._engine = ArealEnginePath(self.src, self.era.engine, self.data_path,
                                                {n: fns[n] for n in ENTRY_POINTS},
                                                GLOO_SAFE_DIST_F if self.cp_all_gather == "shardcheck" else dist_f)
             except LookupError as exc:
@@ -296,7 +308,7 @@ class ArealTarget(CheckoutTarget):
         labels = inputs.row_labels().view(logits.shape[:-1])
         kwargs: dict[str, Any] = {"temperature": inputs.temperature,
                                   "chunk_size": inputs.chunk_size if inputs.chunk_size > 0 else AREAL_CHUNK}
-        if self.era["functions"] == "vocab_parallel":  # before 62d41759c the TP group came from parallel_state
+        if self.era.functions == "vocab_parallel":  # before 62d41759c the TP group came from parallel_state
             kwargs["tp_group"] = inputs.tp_group if inputs.tp_size > 1 else None
         entropy = None
         if inputs.with_entropy:
@@ -320,13 +332,13 @@ class ArealTarget(CheckoutTarget):
 
     def description(self) -> dict[str, Any]:
         era = self.era
-        functions = ("gather_logprobs_entropy / gather_logprobs (tp_group explicit)" if era["functions"] ==
+        functions = ("gather_logprobs_entropy / gather_logprobs (tp_group explicit)" if era.functions ==
                      "vocab_parallel" else "gather_logprobs_entropy / gather_logprobs (TP group from parallel_state; "
                                            "_VocabParallelEntropy + megatron-core's vocab_parallel_cross_entropy)")
         out: dict[str, Any] = {
-            "functions": f"{era['functions_file']}: {functions}",
+            "functions": f"{era.functions_file}: {functions}",
             "data_path": layout_description(self.data_path, self.layout_option,
-                                            "no packing" if not era["packing"] else "bshd"),
+                                            "no packing" if not era.packing else "bshd"),
             "temperature": "passed in: AReaL divides the logits by it inside, out of place",
             "entropy": "-sum p log p; detached where the scenario's entropy_coef is 0, as AReaL's losses detach it",
             "framework_files": list(self.framework_files),
@@ -346,7 +358,7 @@ class ArealTarget(CheckoutTarget):
                                 "the micro-batch split (one micro-batch: AReaL's default mb_spec)"]
             out["not_run"] += ["_prepare_mb_list's split_padded_tensor_dict_into_mb_list (one micro-batch)",
                                "the loss scaling (local weight / total weight * loss multiplier)"]
-            if self.variant in TRAIN_PATH_VARIANTS and era["engine"]["reassembles"]:
+            if self.variant in TRAIN_PATH_VARIANTS and era.engine["reassembles"]:
                 out["cp_all_gather"] = {
                     None: "torch's own on nccl; on gloo cp > 1 is skipped (torch's gloo backward)",
                     "torch": "torch.distributed.nn.functional.all_gather, AReaL's own",

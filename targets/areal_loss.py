@@ -409,7 +409,7 @@ class ArealLossTarget(ArealTarget):
 
             fns = self._functions()
             try:
-                self._loss_path = ArealLossPath(self.src, self.era["engine"], self.data_path,
+                self._loss_path = ArealLossPath(self.src, self.era.engine, self.data_path,
                                                 {n: fns[n] for n in ENTRY_POINTS},
                                                 GLOO_SAFE_DIST_F if self.cp_all_gather == "shardcheck" else dist_f,
                                             self.loss_era["methods"])

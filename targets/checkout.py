@@ -13,6 +13,7 @@ lists.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -157,6 +158,12 @@ class Checkout:
         self._prepared = False
 
 
+def era_facts(era: Any) -> dict[str, Any]:
+    """An adapter's era as reports show it: its dataclass's fields, nested ones too
+    (``dataclasses.asdict``: the JSON of the dicts eras were before); {} for a target with none."""
+    return dataclasses.asdict(era) if era is not None else {}
+
+
 class CheckoutTarget(TargetBase):
     """The base of a framework target loaded from a checkout. A subclass sets :attr:`framework`
     and :attr:`name`, reads its era from ``self.src`` and calls the framework's functions from
@@ -165,7 +172,7 @@ class CheckoutTarget(TargetBase):
 
     framework: ClassVar[Framework]
     name: str
-    era: dict[str, Any]
+    era: Any  # what the checkout offers, read from its source: the adapter's own frozen dataclass
 
     def __init__(self, src: str | None = None) -> None:
         self.src = self.framework.source(src)
@@ -194,7 +201,7 @@ class CheckoutTarget(TargetBase):
     def describe(self) -> dict[str, Any]:
         version = self.commit[:12] if self.commit else f"checkout {self.src} (no git commit)"
         out = {"name": self.name, "version": version, "commit": self.commit, "src": str(self.src),
-               "era": getattr(self, "era", {}), "stubbed_modules": list(self.stubs)}
+               "era": era_facts(getattr(self, "era", None)), "stubbed_modules": list(self.stubs)}
         if self.framework.package_inits != "run":
             out["package_inits_not_run"] = self.checkout.package_inits_not_run
         out.update(self.description())

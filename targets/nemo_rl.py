@@ -62,6 +62,7 @@ The signatures changed over NeMo-RL's history; :func:`detect_era` reads them fro
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import sys
 from pathlib import Path
@@ -107,8 +108,34 @@ ENV = FRAMEWORK.env
 source = FRAMEWORK.source
 
 
-def detect_era(src: Path) -> dict[str, Any]:
-    """What this checkout's model_utils offers and how its functions are called, from its source."""
+@dataclasses.dataclass(frozen=True)
+class NemoRLEra:
+    """What a NeMo-RL checkout offers and how its functions are called (:func:`detect_era`)."""
+
+    logprobs_params: tuple[str, ...]  # the log-prob function's parameters (not in reports)
+    tp_group_name: str | None  # its fifth parameter: the TP group's name at this commit
+    cp: bool  # takes cp_group
+    chunking: bool  # takes chunk_size
+    sampling: bool  # takes sampling_params (top-k / top-p)
+    packed: bool  # has the packed-sequence log-prob function
+    packed_params: tuple[str, ...] | None  # its parameters (not in reports)
+    pre_rolled: bool  # the packed function takes target_is_pre_rolled
+    entropy: bool  # has ChunkedDistributedEntropy
+    # every .cuda() in the file, with where it is (function or Class.method)
+    cuda_calls: tuple[str, ...]
+    cp_backward_needs_cuda: int | None  # the line in AllGatherCPTensor.backward that needs CUDA
+    packing: bool  # NeMo-RL's own sequence packing (the data path)
+    fused_loss: bool
+    unfused_loss: bool
+
+    def reported(self) -> dict[str, Any]:
+        """The fields reports show (the parameter lists left out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("logprobs_params", "packed_params")}
+
+
+def detect_era(src: Path) -> NemoRLEra:
+    """What this checkout's model_utils offers and how its functions are called, and which of
+    NeMo-RL's packing and loss wrappers it has, from its source."""
     tree = FRAMEWORK.parse(src, MODEL_UTILS)
     assert tree is not None  # the source's marker: FRAMEWORK.source checked it is there
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -125,20 +152,22 @@ def detect_era(src: Path) -> dict[str, Any]:
                          or (isinstance(n, ast.Constant) and isinstance(n.value, str)
                              and n.value.split(":")[0] == "cuda")})
     gather_cuda = [line for line, where in cuda_lines if where == "AllGatherCPTensor.backward"]
-    return {
-        "logprobs_params": logprobs,
-        "tp_group_name": logprobs[4] if len(logprobs) > 4 else None,
-        "cp": "cp_group" in logprobs,
-        "chunking": "chunk_size" in logprobs,
-        "sampling": "sampling_params" in logprobs,
-        "packed": packed is not None,
-        "packed_params": packed,
-        "pre_rolled": bool(packed) and "target_is_pre_rolled" in packed,
-        "entropy": ENTROPY in classes,
-        # every .cuda() in the file, with where it is (function or Class.method)
-        "cuda_calls": [f"{where}:{line}" for line, where in cuda_lines],
-        "cp_backward_needs_cuda": gather_cuda[0] if gather_cuda else None,
-    }
+    return NemoRLEra(
+        logprobs_params=tuple(logprobs),
+        tp_group_name=logprobs[4] if len(logprobs) > 4 else None,
+        cp="cp_group" in logprobs,
+        chunking="chunk_size" in logprobs,
+        sampling="sampling_params" in logprobs,
+        packed=packed is not None,
+        packed_params=tuple(packed) if packed is not None else None,
+        pre_rolled=bool(packed) and "target_is_pre_rolled" in packed,
+        entropy=ENTROPY in classes,
+        cuda_calls=tuple(f"{where}:{line}" for line, where in cuda_lines),
+        cp_backward_needs_cuda=gather_cuda[0] if gather_cuda else None,
+        packing=has_packing(src),
+        fused_loss=has_fused_loss(src),
+        unfused_loss=has_unfused_loss(src),
+    )
 
 
 def _enclosing(tree: ast.Module, node: ast.AST) -> str:
@@ -239,18 +268,16 @@ class NemoRLTarget(CheckoutTarget):
         self.name = "nemo_rl" if variant is None else f"nemo_rl:{variant}"
         super().__init__(src)
         self.era = detect_era(self.src)
-        self.era["packing"], self.era["fused_loss"] = has_packing(self.src), has_fused_loss(self.src)
-        self.era["unfused_loss"] = has_unfused_loss(self.src)
-        if variant == "pre_rolled" and not self.era["pre_rolled"]:
+        if variant == "pre_rolled" and not self.era.pre_rolled:
             raise BadInput(f"NeMo-RL at {self.short()} has no target_is_pre_rolled (the fused packed loss came "
                            "later): use the default nemo_rl target")
-        if variant == "sampling" and not self.era["sampling"]:
+        if variant == "sampling" and not self.era.sampling:
             raise BadInput(f"NeMo-RL at {self.short()} takes no sampling_params (top-k/top-p came later)")
-        if variant == "fused_loss" and not self.era["fused_loss"]:
+        if variant == "fused_loss" and not self.era.fused_loss:
             raise BadInput(f"NeMo-RL at {self.short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
                            "later): use nemo_rl:pre_rolled")
         self.data_path = (NemoRLDataPath(self.src, self._module)
-                          if layout == "framework" and self.era["packing"] and self.era["packed"] else None)
+                          if layout == "framework" and self.era.packing and self.era.packed else None)
         if variant == "fused_loss" and self.data_path is None:
             raise BadInput(f"target 'nemo_rl:fused_loss' runs on NeMo-RL's own packing ({DATA_FILE}); "
                            f"{'layout=shardcheck was asked' if layout != 'framework' else 'this checkout has none'}")
@@ -286,18 +313,18 @@ class NemoRLTarget(CheckoutTarget):
                                "batches take the unfused loss")
         elif self.variant == "per_sequence":
             layouts.add("thd")
-            if era["cp"]:
+            if era.cp:
                 layouts.add("zigzag")
             else:
                 reasons["zigzag"] = f"NeMo-RL at {self.short()}: {LOGPROBS} takes no cp_group (no CP yet)"
-        elif era["packed"]:
+        elif era.packed:
             layouts |= {"thd", "zigzag"}
         else:
             reasons["thd"] = reasons["zigzag"] = (f"NeMo-RL at {self.short()} has no {PACKED} "
                                                   "(sequence packing came later)")
         cp_sizes = None
         cp_reason = ""
-        line = era["cp_backward_needs_cuda"]
+        line = era.cp_backward_needs_cuda
         if line and not self.cp_on_cpu and not _ranks_on_cuda():
             cp_sizes = frozenset({1})
             cp_reason = (f"NeMo-RL's AllGatherCPTensor.backward (model_utils.py:{line}) builds its index with "
@@ -316,7 +343,7 @@ class NemoRLTarget(CheckoutTarget):
 
         return Capabilities(
             layout_reasons=tuple(reasons.items()), sampling=sampling, rule=sampling_shape if sampling else None,
-            layouts=frozenset(layouts), entropy=bool(era["entropy"]),
+            layouts=frozenset(layouts), entropy=bool(era.entropy),
             replay_keep=False,
             reasons=(("layout", f"NeMo-RL at {self.short()} supports {', '.join(sorted(layouts))}"),
                      ("entropy", f"NeMo-RL at {self.short()} has no {ENTROPY}"),
@@ -333,7 +360,7 @@ class NemoRLTarget(CheckoutTarget):
 
     def description(self) -> dict[str, Any]:
         return {
-            "era": {k: v for k, v in self.era.items() if k not in ("logprobs_params", "packed_params")},
+            "era": self.era.reported(),
             "functions": self._functions(),
             "entropy": f"{ENTROPY} (sum p log p, the negative entropy, as NeMo-RL defines it)",
             "definitions": self.definitions.describe(),
@@ -387,7 +414,7 @@ class NemoRLTarget(CheckoutTarget):
         """Whether thd/zigzag rows go through NeMo-RL's loss wrapper and its preparation (which cast
         the logits themselves) rather than the adapter calling the log-prob functions."""
         return self.data_path is not None and (
-            self.variant == "fused_loss" or (self.variant == "per_sequence" and self.era["unfused_loss"]))
+            self.variant == "fused_loss" or (self.variant == "per_sequence" and self.era.unfused_loss))
 
     def _packing(self, inputs: RankInputs) -> tuple[list[int], Any, int]:
         """Each sequence's padded length, the padded packed ``input_ids`` [1, T] and the unpacked

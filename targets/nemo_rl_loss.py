@@ -43,6 +43,7 @@ CPU (the ids tensor answers ``.cuda()`` with itself), said in the report.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import sys
 import types
@@ -138,6 +139,23 @@ def build(framework: Any, src: str | None, config: TargetConfig) -> "NemoRLLossT
     return NemoRLLossTarget(framework, src, config)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerLossEra:
+    """NeMo-RL's DTensor-worker era of the loss: ClippedPGLossFn takes the logits."""
+
+    loss_takes: str  # "logits"
+    global_count: bool  # the loss takes total_valid_tokens_or_seqs (the global batch's count)
+    worker_lines: tuple[str, ...]  # the worker's lines around the loss, as its source has them
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronLossEra:
+    """NeMo-RL's Megatron path: ClippedPGLossFn takes log-probs, a LossPostProcessor wraps it."""
+
+    loss_takes: str  # "log-probs"
+    post_processor: str  # FILE:CLASS
+
+
 class NemoRLLossTarget(CheckoutTarget):
     """NVIDIA-NeMo/RL's ClippedPGLossFn in a training step, with its DTensor worker's lines around it"""
 
@@ -169,8 +187,9 @@ class NemoRLLossTarget(CheckoutTarget):
             self.token_level = config.flag(OPTION) if asked is not None else True
         except ValueError as exc:
             raise BadInput(f"target 'nemo_rl:loss': {exc}") from None
-        self.era = {"loss_takes": "logits", "global_count": self.global_count,
-                    "worker_lines": [ast.unparse(s) for s in self.worker_lines]}
+        self.era: WorkerLossEra | MegatronLossEra = WorkerLossEra(
+            loss_takes="logits", global_count=self.global_count,
+            worker_lines=tuple(ast.unparse(s) for s in self.worker_lines))
         self.framework_files = tuple(str(f) for f in (LOSS_FILE, UTILS_FILE, WORKER_FILE))
         self.capabilities = Capabilities(
             layouts=frozenset({"bshd"}), entropy=False, tp_sizes=frozenset({1}), cp_sizes=frozenset({1}),
@@ -193,7 +212,7 @@ class NemoRLLossTarget(CheckoutTarget):
     def description(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "loss": f"{LOSS_FILE}:{LOSS_CLASS} ({', '.join(f'{k}={v}' for k, v in LOSS_CONFIG.items())})",
-            "worker_lines": f"{WORKER_FILE} train: " + "; ".join(self.era["worker_lines"]),
+            "worker_lines": f"{WORKER_FILE} train: " + "; ".join(ast.unparse(s) for s in self.worker_lines),
             "schedule_difference": "the worker sums its micro-batches' gradients; megatron's schedule divides each "
                                    "loss by num_microbatches, so the schedule is handed the worker's loss x "
                                    "num_microbatches",
@@ -390,7 +409,7 @@ class NemoRLMegatronLossTarget(NemoRLLossTarget):
         except (LookupError, ValueError, SyntaxError) as exc:
             raise BadInput(f"nemo_rl:loss cannot read NeMo-RL's loss configuration at {self.short()}: {exc}") from None
         self.loss_config[OPTION] = self.token_level
-        self.era = {"loss_takes": "log-probs", "post_processor": f"{TRAIN_FILE}:{POST_PROCESSOR}"}
+        self.era = MegatronLossEra(loss_takes="log-probs", post_processor=f"{TRAIN_FILE}:{POST_PROCESSOR}")
         self.framework_files = tuple(str(f) for f in (NEW_LOSS_FILE, UTILS_FILE, TRAIN_FILE, LOSS_UTILS,
                                                       WRAPPER, Path("nemo_rl/distributed/model_utils.py")))
         self.capabilities = Capabilities(

@@ -61,6 +61,7 @@ tree moved to ``skyrl/backends/skyrl_train`` on 2026-02-15 (2c1cf9e4f); older tr
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,19 @@ FUSED_ENTROPY_WHY = ("SkyRL raises NotImplementedError for fused_lm_head_logprob
                      "entropy is a metric without gradient (entropy_coef must be 0)")
 
 
-def detect_era(src: Path) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class SkyRLEra:
+    """What a SkyRL checkout's files offer and how its loss calls them (:func:`detect_era`)."""
+
+    thd_path: str | None  # "packed" (861e005b4 on), "unpacked" (postprocess_packed_seqs), None: no packing
+    entropy_chunk_size: bool  # the entropy function takes chunk_size
+    logprobs_chunk_size: bool  # the log-prob function takes chunk_size
+    batch_pad: str  # the first parameter of the batch preprocessing
+    fp8_knob: bool  # the packing takes fp8_enabled
+    fused_lm_head: bool  # the fused LM-head log-prob and entropy (0a18dd727 on)
+
+
+def detect_era(src: Path) -> SkyRLEra:
     """What this checkout's files offer and how its loss calls them, read from the source."""
     trees = {rel: FRAMEWORK.parse(src, rel) for rel in (MODEL_UTILS, MEGATRON_UTILS, PREPROCESS, WRAPPER)}
     defs = {rel: {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} if tree else {}
@@ -121,14 +134,14 @@ def detect_era(src: Path) -> dict[str, Any]:
         thd = "unpacked"  # before: postprocess_packed_seqs, then the bshd function
     else:
         thd = None
-    return {
-        "thd_path": thd,
-        "entropy_chunk_size": "chunk_size" in parameters(model_utils[ENTROPY]),
-        "logprobs_chunk_size": "chunk_size" in parameters(model_utils[LOGPROBS]),
-        "batch_pad": parameters(defs[PREPROCESS][BATCH])[0],
-        "fp8_knob": "fp8_enabled" in parameters(utils[PACK]),
-        "fused_lm_head": thd == "packed" and all(n in model_utils for n in (FUSED, FUSED_PACKED, FUSED_ENTROPY)),
-    }
+    return SkyRLEra(
+        thd_path=thd,
+        entropy_chunk_size="chunk_size" in parameters(model_utils[ENTROPY]),
+        logprobs_chunk_size="chunk_size" in parameters(model_utils[LOGPROBS]),
+        batch_pad=parameters(defs[PREPROCESS][BATCH])[0],
+        fp8_knob="fp8_enabled" in parameters(utils[PACK]),
+        fused_lm_head=thd == "packed" and all(n in model_utils for n in (FUSED, FUSED_PACKED, FUSED_ENTROPY)),
+    )
 
 
 def _refuse_old_tree(src: str | None) -> None:
@@ -157,11 +170,11 @@ class SkyRLTarget(CheckoutTarget):
         _refuse_old_tree(config.src)
         super().__init__(config.src)
         self.era = detect_era(self.src)
-        if self.fused and not self.era["fused_lm_head"]:
+        if self.fused and not self.era.fused_lm_head:
             raise BadInput(f"SkyRL at {self.short()} has no fused LM-head log-prob ({FUSED_PACKED}, from 0a18dd727 "
                            "on): use the skyrl target")
         self.data_path = SkyRLDataPath(self.src)
-        packed = self.era["thd_path"] == "packed"
+        packed = self.era.thd_path == "packed"
         self.framework_files = tuple(str(f) for f in (MODEL_UTILS, MEGATRON_UTILS, PREPROCESS)) + (
             (str(WRAPPER),) if packed else ())
         gather = ("AllGatherPackedCPTensor (its backward keeps the rank's own positions)" if packed else
@@ -169,7 +182,7 @@ class SkyRLTarget(CheckoutTarget):
         self.definitions = Definitions(
             loss_over="held", loss_source=f"SkyRL gathers its log-probs over CP with {gather} and takes each CP "
                                           "rank's loss over the whole gathered sequence, not divided by cp")
-        layouts = {"bshd"} | ({"thd", "zigzag"} if self.era["thd_path"] else set())
+        layouts = {"bshd"} | ({"thd", "zigzag"} if self.era.thd_path else set())
         self.capabilities = Capabilities(
             layouts=frozenset(layouts), entropy=True, entropy_grad=not self.fused, replay_keep=False, sampling=False,
             layout_reasons=(("allgather", ALLGATHER_WHY),),
@@ -183,7 +196,7 @@ class SkyRLTarget(CheckoutTarget):
         self.data_path.release()
 
     def description(self) -> dict[str, Any]:
-        packed = self.era["thd_path"] == "packed"
+        packed = self.era.thd_path == "packed"
         if self.fused:
             functions = {"thd, zigzag": f"{FUSED_PACKED} (attention_mask scatter; gathered over CP by "
                                         "AllGatherPackedCPTensor)", "bshd": f"{FUSED} (cp_group=None)",
@@ -258,7 +271,7 @@ class SkyRLTarget(CheckoutTarget):
             raise ValueError(f"{self.name}: no rollout for a {inputs.layout} scenario; SkyRL's data path lays out "
                              "its rows")
         batch = self.data_path.batch(inputs.rollout.to(inputs.logits.device))
-        packed = inputs.layout != "bshd" and self.era["thd_path"] == "packed"
+        packed = inputs.layout != "bshd" and self.era.thd_path == "packed"
         params = self.data_path.pack(batch, inputs.rollout.knobs)[1] if inputs.layout != "bshd" else None
         return batch, params, packed
 
@@ -279,7 +292,7 @@ class SkyRLTarget(CheckoutTarget):
             values = getattr(mod, FUSED_ENTROPY)(rows, weight, inputs.tp_group,
                                                  chunk_size=inputs.chunk_size if inputs.chunk_size > 0 else None,
                                                  temperature=inputs.temperature)
-        elif self.era["entropy_chunk_size"]:
+        elif self.era.entropy_chunk_size:
             # the scenario's chunk where it sets one, else SkyRL's vocab_entropy_chunk_size default (0: auto)
             values = getattr(mod, ENTROPY)(rows, chunk_size=max(inputs.chunk_size, 0))
         else:

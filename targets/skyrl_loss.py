@@ -359,7 +359,7 @@ class SkyRLLossTarget(SkyRLTarget):
                    "current_loss_fn": fns["ppo"]["ppo_policy_loss"], "resolved_loss_name": "regular",
                    "mtp_enabled": False, "mtp_loss_weight": 0.0, "mtp_loss_chunk_size": None, "mtp_loss_topk": None,
                    "return_per_token_outputs": False}
-        recorded = PACKED if self.era["thd_path"] == "packed" and inputs.layout != "bshd" else LOGPROBS
+        recorded = PACKED if self.era.thd_path == "packed" and inputs.layout != "bshd" else LOGPROBS
         given = {**fns["module"], **{k: v for k, v in fns["given"].items() if v is not None}, **closure,
                  recorded: record}
         if "loss_func" not in fns:  # compiled once; each micro-batch gets its own closure values

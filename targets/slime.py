@@ -63,7 +63,22 @@ ENV = FRAMEWORK.env
 source = FRAMEWORK.source
 
 
-def detect_era(src: Path) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class SlimeEra:
+    """What a slime checkout's get_log_probs_and_entropy takes and returns (:func:`detect_era`)."""
+
+    params: tuple[str, ...]
+    returns: str  # "dict", or "tuple (empty, dict)"
+    qkv_format: bool  # the bshd path (qkv_format), so bshd is supported
+    max_seq_lens: bool
+    allgather_cp: bool  # all-gather CP (allgather_cp), so the allgather layout is supported
+    top_p_replay: bool  # takes top_p_token_ids (replayed keep sets)
+    # policy_loss_function hands the batch's rollout_top_p_token_ids on when rollout_top_p != 1
+    policy_top_p_replay: bool
+    entropy_grad_flag: str | None  # the flag that keeps the entropy's gradient, by its name at this commit
+
+
+def detect_era(src: Path) -> SlimeEra:
     """What this checkout's get_log_probs_and_entropy takes and returns, read from its source."""
     tree = FRAMEWORK.parse(src, LOSS_FILE)
     text = (src / LOSS_FILE).read_text()
@@ -74,18 +89,16 @@ def detect_era(src: Path) -> dict[str, Any]:
     returns_tuple = any(isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple) for n in ast.walk(fn))
     ppo = src / "slime/utils/ppo_utils.py"
     ppo_text = ppo.read_text() if ppo.is_file() else ""
-    return {
-        "params": params,
-        "returns": "tuple (empty, dict)" if returns_tuple else "dict",
-        "qkv_format": "qkv_format" in text,
-        "max_seq_lens": "max_seq_lens" in params,
-        "allgather_cp": "allgather_cp" in text,
-        "top_p_replay": "top_p_token_ids" in params,
-        # policy_loss_function hands the batch's rollout_top_p_token_ids on when rollout_top_p != 1
-        "policy_top_p_replay": "rollout_top_p_token_ids" in text,
-        "entropy_grad_flag": next((f for f in ("with_entropy_grad", "need_entropy_grad") if f in text + ppo_text),
-                                  None),
-    }
+    return SlimeEra(
+        params=tuple(params),
+        returns="tuple (empty, dict)" if returns_tuple else "dict",
+        qkv_format="qkv_format" in text,
+        max_seq_lens="max_seq_lens" in params,
+        allgather_cp="allgather_cp" in text,
+        top_p_replay="top_p_token_ids" in params,
+        policy_top_p_replay="rollout_top_p_token_ids" in text,
+        entropy_grad_flag=next((f for f in ("with_entropy_grad", "need_entropy_grad") if f in text + ppo_text), None),
+    )
 
 
 class _Args(Namespace):
@@ -110,16 +123,16 @@ class SlimeTarget(CheckoutTarget):
     def __init__(self, src: str | None = None, layout: str = "framework") -> None:
         super().__init__(src)
         self.era = detect_era(self.src)
-        layouts = {"thd", "zigzag"} | ({"allgather"} if self.era["allgather_cp"] else set()) | (
-            {"bshd"} if self.era["qkv_format"] else set())
+        layouts = {"thd", "zigzag"} | ({"allgather"} if self.era.allgather_cp else set()) | (
+            {"bshd"} if self.era.qkv_format else set())
         self.capabilities = Capabilities(
             layouts=frozenset(layouts), entropy=True, dtypes=frozenset({"float32"}),
-            replay_keep=bool(self.era.get("top_p_replay")) and self.passes_keep_sets(),
+            replay_keep=self.era.top_p_replay and self.passes_keep_sets(),
             reasons=(("layout", f"slime at {self.short()} has no such layout "
                                 f"(supports {', '.join(sorted(layouts))})"),
                      ("dtype", "slime asserts float32 logits"),
                      ("replay_keep", f"slime at {self.short()} takes no top-p replay"
-                      if not self.era.get("top_p_replay") else
+                      if not self.era.top_p_replay else
                       f"slime at {self.short()}: this entry point passes no top-p replay on")),
         )
         self._fn: Any = None
@@ -289,7 +302,7 @@ class SlimePolicyLossTarget(SlimeTarget):
     loss_form = "policy"
 
     def passes_keep_sets(self) -> bool:
-        return bool(self.era.get("policy_top_p_replay"))
+        return self.era.policy_top_p_replay
 
     def _policy(self) -> tuple[Any, Any, Recorder]:
         if getattr(self, "_policy_fns", None) is None:

@@ -64,6 +64,7 @@ checkout (one line); nothing is guessed.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import logging
 import builtins
 import functools
@@ -170,7 +171,20 @@ def _site_facts(fn: ast.FunctionDef) -> dict[str, Any]:
     }
 
 
-def detect_era(src: Path) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class VerlEra:
+    """What a verl checkout has (:func:`detect_era`). ``call_sites`` and ``packing`` are facts
+    about verl's functions, as reports show them."""
+
+    functions: tuple[str, ...]  # the tensor_parallel functions it has (of FUNCTIONS)
+    entropy_compiled: bool  # _VocabParallelEntropy.forward runs under torch.compile
+    # per kind ("legacy", "engine"): file, function, line and how the call site calls the functions
+    call_sites: dict[str, dict[str, Any]]
+    # the engine's packing functions (preprocess, postprocess, need_roll, cp_layout, bshd); None: none
+    packing: dict[str, Any] | None
+
+
+def detect_era(src: Path) -> VerlEra:
     """What this checkout has, read from its source: the tensor_parallel functions, the actor's
     call sites (legacy MegatronPPOActor, engine) and the engine's packing functions."""
     tp = FRAMEWORK.parse(src, TP_FILE)
@@ -180,17 +194,13 @@ def detect_era(src: Path) -> dict[str, Any]:
             raise BadInput(f"verl at {src}: {TP_FILE} has no {needed}")
     entropy_fwd = next((fn for cls in ast.walk(tp) if isinstance(cls, ast.ClassDef)
                         and cls.name == "_VocabParallelEntropy" for fn in functions_named(cls, "forward")), None)
-    era: dict[str, Any] = {
-        "functions": functions,
-        "entropy_compiled": bool(entropy_fwd is not None and "torch.compile" in ast.unparse(entropy_fwd)),
-        "call_sites": {},
-        "packing": None,
-    }
+    call_sites: dict[str, dict[str, Any]] = {}
+    packing: dict[str, Any] | None = None
     for kind, rel, find in (("legacy", LEGACY_FILE, _legacy_site), ("engine", ENGINE_FILE, _engine_site)):
         found = find(FRAMEWORK.parse(src, rel))
         if found is not None:
             fn, qualname = found
-            era["call_sites"][kind] = {"file": str(rel), "function": qualname, "line": fn.lineno, **_site_facts(fn)}
+            call_sites[kind] = {"file": str(rel), "function": qualname, "line": fn.lineno, **_site_facts(fn)}
     util = FRAMEWORK.parse(src, UTIL_FILE)
     for pre, post in PACKERS:
         fns = functions_named(util, pre)
@@ -198,11 +208,12 @@ def detect_era(src: Path) -> dict[str, Any]:
             params = parameters(fns[0])
             bshd = next(((b_pre, b_post) for b_pre, b_post in BSHD_PACKERS
                          if functions_named(util, b_pre) and functions_named(util, b_post)), None)
-            era["packing"] = {"preprocess": pre, "postprocess": post, "need_roll": "need_roll" in params,
+            packing = {"preprocess": pre, "postprocess": post, "need_roll": "need_roll" in params,
                               "cp_layout": "cp_layout" in params,
                               "bshd": None if bshd is None else {"preprocess": bshd[0], "postprocess": bshd[1]}}
             break
-    return era
+    return VerlEra(functions=tuple(functions), call_sites=call_sites, packing=packing,
+                   entropy_compiled=bool(entropy_fwd is not None and "torch.compile" in ast.unparse(entropy_fwd)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,7 +306,7 @@ class VerlTarget(CheckoutTarget):
             self.entropy_chunking = config.flag("entropy_chunking")
         except ValueError as exc:
             raise BadInput(f"target {self.name!r}: {exc}") from None
-        if self.entropy_chunking and "vocab_parallel_entropy_with_chunking" not in self.era["functions"]:
+        if self.entropy_chunking and "vocab_parallel_entropy_with_chunking" not in self.era.functions:
             raise BadInput(f"verl at {self.short()} has no vocab_parallel_entropy_with_chunking "
                            "(entropy_chunking=true needs #6446 or later)")
         self.capabilities = self._capabilities()
@@ -397,7 +408,7 @@ class VerlActorTarget(VerlTarget):
         self._choice, self.layout_option = choice, layout
         self.data_path = None
         super().__init__(src, options)
-        sites = self.era["call_sites"]
+        sites = self.era.call_sites
         kind = ("legacy" if "legacy" in sites else "engine") if choice == "auto" else choice
         if kind not in sites:
             where = {"legacy": f"no logits_processor in {LEGACY_FILE}",
@@ -406,7 +417,7 @@ class VerlActorTarget(VerlTarget):
             raise BadInput(f"verl at {self.short()} has no actor call site to check: {'; '.join(missing)}")
         self.kind, self.site = kind, sites[kind]
         if kind == "engine":
-            if self.era["packing"] is None:
+            if self.era.packing is None:
                 raise BadInput(f"verl at {self.short()}: an engine call site but no packing functions in {UTIL_FILE}")
             if "label_mask" in self.site["params"]:
                 raise BadInput(f"verl at {self.short()}: the engine call site takes label_mask, which the "
@@ -415,7 +426,7 @@ class VerlActorTarget(VerlTarget):
             raise BadInput(f"target 'verl:actor': entropy_chunking=true, but the {kind} call site at {self.short()} "
                            "never calls vocab_parallel_entropy_with_chunking")
         if layout == "framework":
-            self.data_path = data_path_for(self, kind, self.era["packing"])
+            self.data_path = data_path_for(self, kind, self.era.packing)
         self.framework_files = (str(TP_FILE), str(UTIL_FILE), self.site["file"])
         self.capabilities = self._capabilities()
         self.missing_config: set[str] = set()
@@ -423,7 +434,7 @@ class VerlActorTarget(VerlTarget):
     def _capabilities(self) -> Capabilities:
         if getattr(self, "kind", None) != "engine":
             return super()._capabilities()
-        has_bshd = self.era["packing"]["bshd"]
+        has_bshd = self.era.packing["bshd"]
         reasons = [("allgather", ALLGATHER_WHY)]
         if not has_bshd:
             reasons.append(("bshd", f"verl at {self.short()}: the engine packs thd only (no preprocess_bshd_engine "
@@ -442,7 +453,7 @@ class VerlActorTarget(VerlTarget):
                     "data_path": layout_description(self.data_path, self.layout_option, "no packing"),
                     "framework_files": list(self.framework_files)})
         if self.kind == "engine":
-            out["packing"] = self.era["packing"]
+            out["packing"] = self.era.packing
         return out
 
     def module_names(self) -> tuple[str, ...]:
@@ -532,7 +543,7 @@ class VerlActorTarget(VerlTarget):
 
         mods = self._modules
         util = mods[UTIL_MODULE]
-        packing = self.era["packing"]
+        packing = self.era.packing
         device = inputs.logits.device
         batch_size = len(inputs.tokens)
         input_ids = torch.nested.as_nested_tensor([t.to(device) for t in inputs.tokens], layout=torch.jagged)

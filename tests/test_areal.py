@@ -140,18 +140,18 @@ def on_gloo(monkeypatch):
 
 def test_era_of_the_newest_checkout(tmp_path):
     era = detect_era(_new(tmp_path))
-    assert era["functions"] == "vocab_parallel" and era["functions_file"] == "areal/utils/functional/vocab_parallel.py"
-    assert era["packing"] == {"cp_file": "areal/engine/megatron_utils/packed_context_parallel.py",
+    assert era.functions == "vocab_parallel" and era.functions_file == "areal/utils/functional/vocab_parallel.py"
+    assert era.packing == {"cp_file": "areal/engine/megatron_utils/packed_context_parallel.py",
                               "seq_align_to": True, "fp8": False}
-    assert era["engine"]["cp_local"] and era["engine"]["reassembles"]
+    assert era.engine["cp_local"] and era.engine["reassembles"]
 
 
 def test_era_of_a_checkout_before_the_vocab_parallel_functions(tmp_path):
     era = detect_era(_old(tmp_path))
-    assert era["functions"] == "mpu" and era["functions_file"] == "areal/utils/functional.py"
-    assert era["packing"] == {"cp_file": "areal/utils/mcore/packed_context_parallel.py", "seq_align_to": False,
+    assert era.functions == "mpu" and era.functions_file == "areal/utils/functional.py"
+    assert era.packing == {"cp_file": "areal/utils/mcore/packed_context_parallel.py", "seq_align_to": False,
                               "fp8": False}
-    assert era["engine"] is None
+    assert era.engine is None
 
 
 def test_a_checkout_without_the_functions_is_one_line(tmp_path):

@@ -660,7 +660,7 @@ def test_verls_division_by_a_temperature_of_one_is_not_named_for_its_entropy_bac
     from shardcheck.targets.verl import detect_era, source
 
     era = detect_era(source())
-    if "engine" not in era["call_sites"]:
+    if "engine" not in era.call_sites:
         pytest.skip("this verl commit has no engine call site (the temperature division in place)")
     sc = Scenario("verl-t1", (Sample(9, 5), Sample(6, 3)), vocab=32, entropy_coef=0.1, temperature=1.0, seed=5)
     [v] = runner.run([sc], "shardcheck.targets.verl:VerlActorTarget", reporter=SilentReport(), world=world).verdicts

@@ -89,19 +89,19 @@ def no_cuda(monkeypatch):
 
 def test_era_of_an_old_checkout(tmp_path):
     era = detect_era(_fake_checkout(tmp_path, OLD))
-    assert era["tp_group_name"] == "group"
-    assert not era["cp"] and not era["chunking"] and not era["sampling"]
-    assert not era["packed"] and not era["pre_rolled"] and not era["entropy"]
-    assert era["cuda_calls"] == [] and era["cp_backward_needs_cuda"] is None
+    assert era.tp_group_name == "group"
+    assert not era.cp and not era.chunking and not era.sampling
+    assert not era.packed and not era.pre_rolled and not era.entropy
+    assert era.cuda_calls == () and era.cp_backward_needs_cuda is None
 
 
 def test_era_of_a_new_checkout(tmp_path):
     era = detect_era(_fake_checkout(tmp_path, NEW))
-    assert era["tp_group_name"] == "tp_group" and era["cp"] and era["chunking"] and era["sampling"]
-    assert era["packed"] and era["pre_rolled"] and era["entropy"]
+    assert era.tp_group_name == "tp_group" and era.cp and era.chunking and era.sampling
+    assert era.packed and era.pre_rolled and era.entropy
     # pin_memory=True on one line, .cuda() on the next: both named, the first gates cp > 1
-    assert era["cuda_calls"] == [f"AllGatherCPTensor.backward:{PIN}", f"AllGatherCPTensor.backward:{CUDA}"]
-    assert era["cp_backward_needs_cuda"] == PIN
+    assert era.cuda_calls == (f"AllGatherCPTensor.backward:{PIN}", f"AllGatherCPTensor.backward:{CUDA}")
+    assert era.cp_backward_needs_cuda == PIN
 
 
 def test_capabilities_follow_the_era(tmp_path, no_cuda):

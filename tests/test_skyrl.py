@@ -108,10 +108,10 @@ def _scenario(smoke_name: str, **changes) -> Scenario:
 
 def test_era_of_an_old_and_a_new_checkout(tmp_path):
     new = detect_era(_fake_checkout(tmp_path / "new"))
-    assert new == {"thd_path": "packed", "entropy_chunk_size": True, "logprobs_chunk_size": True,
+    assert dataclasses.asdict(new) == {"thd_path": "packed", "entropy_chunk_size": True, "logprobs_chunk_size": True,
                    "batch_pad": "pad_token_id", "fp8_knob": True, "fused_lm_head": True}
     old = detect_era(_fake_checkout(tmp_path / "old", new=False))
-    assert old == {"thd_path": "unpacked", "entropy_chunk_size": False, "logprobs_chunk_size": True,
+    assert dataclasses.asdict(old) == {"thd_path": "unpacked", "entropy_chunk_size": False, "logprobs_chunk_size": True,
                    "batch_pad": "tokenizer", "fp8_knob": False, "fused_lm_head": False}
 
 
@@ -255,7 +255,7 @@ def test_the_fused_lm_head_and_the_fp8_alignment_pass(world, tmp_path):
     """skyrl:fused_lm_head (the given logits as the hidden states, an identity LM head) passes where
     SkyRL runs it (no entropy gradient); the fp8_enabled knob pads every packed sequence to
     lcm(alignment, 16*cp) and still passes."""
-    if not detect_era(FRAMEWORK.source())["fused_lm_head"]:
+    if not detect_era(FRAMEWORK.source()).fused_lm_head:
         pytest.skip("this SkyRL commit has no fused LM-head log-prob")
     names = ["thd-tp2cp1-many", "zigzag-tp2cp2-long-prompt", "bshd-tp2cp1-long-prompt", "zigzag-tp2cp2-basic"]
     # temperature 0.8 (the weight divided by it), the entropy without gradient

@@ -40,9 +40,9 @@ def test_era_of_an_old_checkout(tmp_path):
             return {"log_probs": []}
         """, ppo="def calculate_log_probs_and_entropy(logits, tokens, tp_group, need_entropy_grad=True): pass")
     era = detect_era(src)
-    assert era["returns"] == "dict" and era["qkv_format"] and era["max_seq_lens"]
-    assert not era["allgather_cp"] and not era["top_p_replay"]
-    assert era["entropy_grad_flag"] == "need_entropy_grad"
+    assert era.returns == "dict" and era.qkv_format and era.max_seq_lens
+    assert not era.allgather_cp and not era.top_p_replay
+    assert era.entropy_grad_flag == "need_entropy_grad"
 
 
 def test_a_checkout_without_git_is_named_by_its_folder_in_skip_reasons(tmp_path, monkeypatch):
@@ -73,8 +73,8 @@ def test_era_of_a_new_checkout(tmp_path):
             return torch.empty((0,)), {"log_probs": []}
         """)
     era = detect_era(src)
-    assert era["returns"] == "tuple (empty, dict)" and era["allgather_cp"] and era["top_p_replay"]
-    assert not era["qkv_format"] and era["entropy_grad_flag"] is None
+    assert era.returns == "tuple (empty, dict)" and era.allgather_cp and era.top_p_replay
+    assert not era.qkv_format and era.entropy_grad_flag is None
 
 
 def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):

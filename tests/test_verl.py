@@ -158,10 +158,10 @@ def _fake_checkout(root, tp=TP_OLD, legacy=None, engine=None, util=None):
 def test_era_of_an_old_checkout(tmp_path):
     """The legacy actor computing log-probs before the entropy, on the same logits (before #1672)."""
     era = detect_era(_fake_checkout(tmp_path, legacy=LEGACY_ACTOR))
-    assert era["functions"] == ["vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits"]
-    assert not era["entropy_compiled"] and era["packing"] is None
-    site = era["call_sites"]["legacy"]
-    assert set(era["call_sites"]) == {"legacy"}
+    assert era.functions == ("vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits")
+    assert not era.entropy_compiled and era.packing is None
+    site = era.call_sites["legacy"]
+    assert set(era.call_sites) == {"legacy"}
     assert site["params"] == ["logits", "label", "label_mask"]
     assert site["function"] == "MegatronPPOActor.forward_backward_batch.logits_processor"
     assert site["first_call"] == "vocab_parallel_log_probs_from_logits"
@@ -172,25 +172,25 @@ def test_era_of_an_engine_that_rolls_its_labels(tmp_path):
     """The engine's closure rolling the packed labels itself, its packing without need_roll
     (before #4250)."""
     era = detect_era(_fake_checkout(tmp_path, engine=ENGINE_CLOSURE, util=UTIL_OLD))
-    site = era["call_sites"]["engine"]
+    site = era.call_sites["engine"]
     assert site["function"] == "MegatronEngineWithLMHead.forward_step.logits_processor"
     assert site["params"] == ["logits", "label"] and site["rolls_label"] and site["clones_for_entropy"]
     assert site["first_call"] == "vocab_parallel_entropy"
-    assert era["packing"] == {"preprocess": "preprocess_packed_seqs_no_padding",
+    assert era.packing == {"preprocess": "preprocess_packed_seqs_no_padding",
                               "postprocess": "postprocess_packed_seqs_no_padding", "need_roll": False,
                               "cp_layout": False, "bshd": None}
 
 
 def test_era_of_a_new_checkout(tmp_path):
     era = detect_era(_fake_checkout(tmp_path, tp=TP_NEW, engine=ENGINE_METHOD, util=UTIL_NEW))
-    assert era["functions"] == ["vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits",
-                                "vocab_parallel_entropy_with_chunking", "vocab_parallel_sum_pi_squared"]
-    assert era["entropy_compiled"]
-    site = era["call_sites"]["engine"]
+    assert era.functions == ("vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits",
+                             "vocab_parallel_entropy_with_chunking", "vocab_parallel_sum_pi_squared")
+    assert era.entropy_compiled
+    site = era.call_sites["engine"]
     assert site["function"] == "MegatronEngineWithLMHead._lm_head_logits_processor"
     assert site["params"][:4] == ["self", "logits", "label", "temperature"] and not site["rolls_label"]
-    assert era["packing"]["preprocess"] == "preprocess_thd_engine" and era["packing"]["need_roll"]
-    assert era["packing"]["bshd"] == {"preprocess": "preprocess_bshd_engine", "postprocess": "postprocess_bshd_engine"}
+    assert era.packing["preprocess"] == "preprocess_thd_engine" and era.packing["need_roll"]
+    assert era.packing["bshd"] == {"preprocess": "preprocess_bshd_engine", "postprocess": "postprocess_bshd_engine"}
 
 
 def test_the_source_must_be_named_and_be_a_checkout(tmp_path, monkeypatch):
@@ -356,7 +356,7 @@ def test_the_call_site_is_compiled_from_verls_file(tmp_path):
     """Its line numbers and file are verl's (tracebacks and in-place write sites name verl's
     lines); the names it reads from outside itself are listed, builtins and its own excluded."""
     src = _fake_checkout(tmp_path, legacy=LEGACY_ACTOR)
-    site = detect_era(src)["call_sites"]["legacy"]
+    site = detect_era(src).call_sites["legacy"]
     fn, namespace, free = compile_call_site(src, site)
     assert free == ["calculate_entropy", "vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits"]
     assert fn.__code__.co_filename == str(src / "verl/workers/actor/megatron_actor.py")
@@ -418,7 +418,7 @@ CLEAN = [dict(sc, with_entropy=False, temperature=1.0, dtype="bfloat16", seed=11
 @pytest.mark.world
 @pytest.mark.parametrize("spec", [PLAIN, ACTOR])
 def test_verl_matches_the_reference_where_it_leaves_its_inputs_alone(spec, world, tmp_path):
-    if spec == ACTOR and not detect_era(source())["call_sites"]:
+    if spec == ACTOR and not detect_era(source()).call_sites:
         pytest.skip("this verl commit has no actor call site the adapter reads")
     scenarios = [Scenario.from_dict(sc) for sc in CLEAN]
     run = run_on_world(world, scenarios, spec, tmp_path / "r.json", "clean")
@@ -455,7 +455,7 @@ def test_chunked_entropy_cannot_be_differentiated_over_several_chunks(tmp_path):
     """verl's vocab_parallel_entropy_with_chunking (#6446): each chunk's backward writes into its
     view of the logits (sub_ then add_), bumping the version every other chunk's saved view
     shares, so the next chunk's backward raises. One chunk is fine."""
-    if "vocab_parallel_entropy_with_chunking" not in detect_era(source())["functions"]:
+    if "vocab_parallel_entropy_with_chunking" not in detect_era(source()).functions:
         pytest.skip("this verl commit has no vocab_parallel_entropy_with_chunking")
     base = {"samples": [[9, 5], [6, 3]], "vocab": 32, "entropy_coef": 0.1, "temperature": 0.7, "seed": 5}
     scenarios = tmp_path / "chunks.json"
