@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from shardcheck.errors import BadInput
+from shardcheck.harness.run_config import BACKEND_ENV, active  # BACKEND_ENV: kept importable from here
 
 BACKENDS = ("auto", "gloo", "nccl", "gloo-cuda")
 # the backends whose ranks compute on a CUDA device
@@ -70,12 +71,12 @@ def process_group_backend(backend: str) -> str:
 
 
 def requested_backend() -> str:
-    """The backend the command was asked for (``--backend``), as the CLI exports it to targets
-    deciding what they can run before the world starts; "auto" when not said."""
-    return os.environ.get(BACKEND_ENV, "auto")
-
-
-BACKEND_ENV = "SHARDCHECK_BACKEND"
+    """The backend the run was asked for (``--backend``), for targets deciding what they can
+    run before the world starts: that of the run configuration in effect (a command's, a rank's
+    run), else, for a caller of the library that put none in effect, :data:`BACKEND_ENV`;
+    "auto" when not said."""
+    config = active()
+    return config.backend if config is not None else os.environ.get(BACKEND_ENV, "auto")
 
 
 def gloo_safe_all_gather(tensor: Any, group: Any = None) -> tuple[Any, ...]:

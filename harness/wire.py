@@ -27,7 +27,10 @@ import time
 import traceback
 from dataclasses import dataclass
 from dataclasses import field as _field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardcheck.harness.run_config import RunConfig
 
 RUN, STOP = "run", "stop"
 
@@ -94,7 +97,7 @@ def target_settings() -> dict[str, str]:
     for a sender whose run message has no ``config`` (the simulated world)."""
     import json
 
-    from shardcheck.run_config import active
+    from shardcheck.harness.run_config import active
 
     config = active()
     return user_settings() | ({RUN_CONFIG_SETTING: json.dumps(config.to_wire())} if config is not None else {})
@@ -108,7 +111,7 @@ def apply_settings(settings: dict[str, str]) -> None:
     if config is not None:
         import json
 
-        from shardcheck.run_config import RunConfig, receive
+        from shardcheck.harness.run_config import RunConfig, receive
 
         receive(RunConfig.from_wire(json.loads(config)))
     for k in [k for k in os.environ if k.startswith(SETTINGS_PREFIX) and k not in settings]:
@@ -132,6 +135,12 @@ class Checks:
     explain: bool = False  # find the call site of the first in-place write (a dispatch mode on every op)
     coverage: bool = False  # which lines of the target's framework_files ran (coverage.py)
     mask_leak: bool = True  # a training step again with NaN at every masked position: nothing unmasked changes
+
+    @classmethod
+    def of_run(cls, config: RunConfig, **overrides: Any) -> Checks:
+        """The rank's checks of a scenario: ``config``'s switches, with ``overrides`` (explain, outputs)."""
+        return cls(**{"trace_calls": config.trace, "inplace": config.inplace, "coverage": config.coverage,
+                      "mask_leak": config.mask_leak, **overrides})
 
     def to_wire(self) -> dict[str, bool]:
         return dataclasses.asdict(self)

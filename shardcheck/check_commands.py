@@ -2,7 +2,7 @@
 
 Each plans first (:mod:`shardcheck.command`: the run's configuration, the scenarios, its own
 settings, everything refused that would be refused) and then executes the plan with its
-configuration in effect (:func:`shardcheck.run_config.in_effect`), which reaches every rank inside
+configuration in effect (:func:`shardcheck.harness.run_config.in_effect`), which reaches every rank inside
 each ``run`` message.
 """
 

@@ -186,8 +186,8 @@ def name_list(text: str) -> list[str]:
 # -- the preamble of a command that checks a target --------------------------------------------------
 def run_config(args: argparse.Namespace, **given: Any) -> RunConfig:
     """The run's configuration from a command line (``given``: what the command decides itself,
-    as bisect's target): :meth:`RunConfig.build`, the builder the pytest plugin uses too."""
-    from shardcheck.run_config import RunConfig
+    as bisect's target): :func:`shardcheck.run_config.build`, the builder the pytest plugin uses too."""
+    from shardcheck.run_config import build
 
     options = {
         "target": getattr(args, "target", None),
@@ -201,7 +201,7 @@ def run_config(args: argparse.Namespace, **given: Any) -> RunConfig:
         "coverage": getattr(args, "coverage", False),
         "trace": getattr(args, "trace", False),
     }
-    return RunConfig.build(**(options | given))
+    return build(**(options | given))
 
 
 def repeat_args(args: argparse.Namespace) -> list[str]:

@@ -58,10 +58,11 @@ class Repro(Command):
     def execute(self, plan: Plan) -> int:
         from shardcheck.harness.controller import repro
         from shardcheck.targets import resolve
+        from shardcheck.targets.base import TargetConfig
 
         config, s = plan.config, plan.settings
         failed, sc, spec = s.failed, s.failed.scenario, config.target
-        target = resolve(spec, config.target_config)
+        target = resolve(spec, TargetConfig.of_run(config))
         repro.refuse_unless_writable(spec, target, sc)
         layouts = failed.layouts
         if repro.needs_layouts(target, sc) and not layouts:  # the framework lays the rows out: learn where

@@ -189,12 +189,12 @@ def run_config(config: pytest.Config) -> RunConfig:
     """The session's run configuration from its ``--shardcheck-*`` options, by the builder the
     command line uses (``SHARDCHECK_TARGET`` the default target); BadInput, one line, naming the
     option."""
-    from shardcheck.run_config import RunConfig
+    from shardcheck.run_config import build
 
     opt = config.getoption
-    return RunConfig.build(target=opt("--shardcheck-target"), target_src=opt("--shardcheck-target-src"),
-                           target_options=opt("--shardcheck-target-opt"), backend=opt("--shardcheck-backend"),
-                           inplace=not opt("--shardcheck-no-inplace"), flag_prefix="--shardcheck-")
+    return build(target=opt("--shardcheck-target"), target_src=opt("--shardcheck-target-src"),
+                 target_options=opt("--shardcheck-target-opt"), backend=opt("--shardcheck-backend"),
+                 inplace=not opt("--shardcheck-no-inplace"), flag_prefix="--shardcheck-")
 
 
 @pytest.fixture(scope="session")
@@ -202,12 +202,13 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
     """Check scenarios against the session's target on the session's world."""
     from shardcheck.errors import BadInput
     from shardcheck.targets import resolve
+    from shardcheck.targets.base import TargetConfig
 
     opt = request.config.getoption
     path = opt("--shardcheck-html-report")
     try:
         config = run_config(request.config)
-        resolve(config.target, config.target_config)  # a bad spec or option is one line, once, before any rank starts
+        resolve(config.target, TargetConfig.of_run(config))  # a bad spec or option is one line, once, before any rank starts
         if path:
             from shardcheck.harness.controller.html_report import check_writable
 

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from shardcheck.harness.run_config import OPTS_ENV, SRC_ENV, RunConfig, active, environment_target
 from shardcheck.scenarios.data import OBJECTIVES
 from shardcheck.scenarios.layout import local_held_rows, local_row_targets, local_share_rows
 from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
@@ -95,9 +96,10 @@ class TargetConfig:
     """What a user gives a target besides its name: ``--target-src DIR`` (a source checkout) and
     ``--target-opt KEY=VALUE`` (repeatable). A factory that takes a ``config`` argument gets it;
     one that declares ``options = {KEY: help}`` has unknown keys refused (one line, exit 2).
-    A run carries it in its :class:`~shardcheck.run_config.RunConfig`, which reaches every rank
-    inside each ``run`` message; :meth:`to_environment` and :meth:`from_environment` (the
-    variables :data:`SRC_ENV`, :data:`OPTS_ENV`) are kept for callers written before it."""
+    A run carries it in its :class:`~shardcheck.harness.run_config.RunConfig` (:meth:`of_run`),
+    which reaches every rank inside each ``run`` message; :meth:`to_environment` and
+    :meth:`from_environment` (the variables :data:`SRC_ENV`, :data:`OPTS_ENV`) are kept for
+    callers written before it."""
 
     src: str | None = None
     options: tuple[tuple[str, str], ...] = ()
@@ -111,6 +113,12 @@ class TargetConfig:
         if src is not None and not os.path.isdir(src):
             raise ValueError(f"{src!r} is not a directory")
         return cls(os.path.abspath(src) if src else None, tuple(options))
+
+    @classmethod
+    def of_run(cls, config: RunConfig) -> "TargetConfig":
+        """The config ``config``'s target is built with: ``--target-src``, or the checkout of the
+        target's own framework, and the options."""
+        return cls(config.checkout(), config.target_options)
 
     def get(self, key: str, default: str | None = None) -> str | None:
         return dict(self.options).get(key, default)
@@ -141,22 +149,13 @@ class TargetConfig:
         """Deprecated: the config in ``environ``'s :data:`SRC_ENV` and :data:`OPTS_ENV`. Without
         ``environ``, in a process running a command, the config of the run in effect (that of the
         command line, which no longer writes those variables), else this process's variables."""
-        import json
         import os
 
         if environ is None:
-            from shardcheck.run_config import active
-
             running = active()
             if running is not None:
-                return running.target_config
-        environ = os.environ if environ is None else environ
-        raw = environ.get(OPTS_ENV)
-        try:
-            pairs = tuple((str(k), str(v)) for k, v in json.loads(raw)) if raw else ()
-        except (ValueError, TypeError):
-            raise ValueError(f"{OPTS_ENV} is not a JSON list of [key, value] pairs: {raw!r}") from None
-        return cls(environ.get(SRC_ENV) or None, pairs)
+                return cls.of_run(running)
+        return cls(*environment_target(os.environ if environ is None else environ))
 
 
 def parse_option(text: str) -> tuple[str, str]:
@@ -167,8 +166,7 @@ def parse_option(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-SRC_ENV = "SHARDCHECK_TARGET_SRC"
-OPTS_ENV = "SHARDCHECK_TARGET_OPTS"
+# SRC_ENV, OPTS_ENV: the run configuration's (harness/run_config.py), imported above and kept here
 
 
 @dataclass

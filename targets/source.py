@@ -17,24 +17,17 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from shardcheck.errors import BadInput
+# The group's names and each one's variable belong to the run configuration, which reads them
+# without a target (RunConfig.from_environment); kept importable from here.
+from shardcheck.harness.run_config import SOURCES_GROUP as GROUP
+from shardcheck.harness.run_config import source_env, source_names  # noqa: F401
 
-GROUP = "shardcheck.sources"
 COMMIT_ENV = "SHARDCHECK_TARGET_COMMIT"  # the commit a source without .git was exported from (bisect)
-
-
-def source_names() -> list[str]:
-    """The targets registered as loaded from a source checkout, by name (nothing is imported)."""
-    return sorted({ep.name for ep in entry_points(group=GROUP)})
 
 
 def source_flag(name: str) -> str:
     """The command-line flag naming ``name``'s checkout: ``--nemo-rl-src`` for nemo_rl."""
     return f"--{name.replace('_', '-')}-src"
-
-
-def source_env(name: str) -> str:
-    """The variable naming ``name``'s checkout, handed to every rank: SHARDCHECK_NEMO_RL_SRC."""
-    return f"SHARDCHECK_{name.upper()}_SRC"
 
 
 def load_framework(name: str) -> "Framework":

@@ -22,7 +22,7 @@ from shardcheck.harness.controller import runner
 from shardcheck.harness.controller.verdict import ERROR, RunInfo, Verdict
 from shardcheck.scenarios.scenario import Scenario
 
-from shardcheck.run_config import RunConfig, effective
+from shardcheck.harness.run_config import RunConfig, effective
 from shardcheck.targets.base import SRC_ENV  # noqa: F401  (where callers of old imported it from)
 from shardcheck.targets.source import COMMIT_ENV
 

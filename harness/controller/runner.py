@@ -16,8 +16,8 @@ from shardcheck.harness import wire
 from shardcheck.harness.wire import EXPLAIN, ROOT_CAUSES
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets import Target, resolve
-from shardcheck.run_config import RunConfig, active, effective, in_effect
-from shardcheck.targets.base import data_path, knob_skip_reason, step_skip_reason
+from shardcheck.harness.run_config import RunConfig, active, effective, in_effect
+from shardcheck.targets.base import TargetConfig, data_path, knob_skip_reason, step_skip_reason
 
 
 class Reporter(Protocol):
@@ -53,7 +53,7 @@ def controller_target(spec: str, config: RunConfig | None = None) -> Target:
     config = (config or effective(spec)).for_target(spec)
     key = (spec, config.target_key(), tuple(sorted(wire.user_settings().items())))
     if key not in _RESOLVED:
-        _RESOLVED[key] = resolve(spec, config.target_config)
+        _RESOLVED[key] = resolve(spec, TargetConfig.of_run(config))
     return _RESOLVED[key]
 
 
@@ -125,7 +125,7 @@ def run(
     ``coverage`` measures which lines of the target's ``framework_files`` ran (``info.coverage``).
     ``mask_leak`` runs a training step again with NaN at every masked position (``mask_leak``).
     ``config``: the target's configuration and the run's switches (default: the configuration in
-    effect, else the environment's: :func:`shardcheck.run_config.effective`); a switch given here
+    effect, else the environment's: :func:`shardcheck.harness.run_config.effective`); a switch given here
     overrides its own. The world started here is gloo's where neither names a backend.
     """
     configured = config is not None or active() is not None
@@ -178,7 +178,7 @@ def _run(scenarios: Sequence[Scenario], config: RunConfig, *, reporter: Reporter
             # a (re)start is reported on its own (startup_seconds), not charged to the scenario
             world.ensure_ready()
             started = time.perf_counter()
-            results = world.run(sc.to_dict(), target_spec, config.checks())
+            results = world.run(sc.to_dict(), target_spec, wire.Checks.of_run(config))
             verdict = merge(sc, results, time.perf_counter() - started)
             verdict.layout_note = _layout_note(target, sc)
             _place(verdict, getattr(world, "placement", None))
@@ -186,7 +186,7 @@ def _run(scenarios: Sequence[Scenario], config: RunConfig, *, reporter: Reporter
                 # the call site of an in-place write, and where a backward collective's autograd
                 # node was made, are found by watches too dear to keep on: run the scenario again
                 # with them (every rank decides the same, from the verdict)
-                again = world.run(sc.to_dict(), target_spec, config.checks(explain=True, coverage=False))
+                again = world.run(sc.to_dict(), target_spec, wire.Checks.of_run(config, explain=True, coverage=False))
                 verdict = _explained(verdict, merge(sc, again, time.perf_counter() - started))
             if results and results[0].target:
                 info.target = results[0].target
@@ -212,6 +212,6 @@ def _run(scenarios: Sequence[Scenario], config: RunConfig, *, reporter: Reporter
 
 def _target_config(target: Any, run: RunConfig) -> dict[str, Any]:
     """The target's checkout (as resolved) and options, as a report keeps them."""
-    config = run.target_config
+    config = TargetConfig.of_run(run)
     src = target.src
     return {"src": str(src) if src is not None else config.src, "options": [list(kv) for kv in config.options]}

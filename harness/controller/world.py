@@ -258,7 +258,7 @@ class SpawnedWorld:
         return [results[r] for r in range(self.nproc)]
 
     def _send_run(self, seq: int, scenario: dict[str, Any], target: str, checks: Checks) -> bool:
-        from shardcheck.run_config import effective
+        from shardcheck.harness.run_config import effective
 
         # the run's configuration goes with the scenario: a world started before it changed (a
         # pytest session's, bisect's next commit) runs what the controller means now

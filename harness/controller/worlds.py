@@ -36,7 +36,7 @@ class World(Protocol):
 
     def run(self, scenario: dict[str, Any], target: str, checks: Checks = Checks()) -> list[RankResult]:
         """One scenario on every rank, with the run configuration in effect
-        (:func:`shardcheck.run_config.in_effect`; its ranks get it with the scenario): a result
+        (:func:`shardcheck.harness.run_config.in_effect`; its ranks get it with the scenario): a result
         per rank, whatever happened."""
         ...
 

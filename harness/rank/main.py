@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal before anything else
     from shardcheck.harness.wire import Checks, RankResult
-    from shardcheck.run_config import RunConfig
+    from shardcheck.harness.run_config import RunConfig
 
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
@@ -84,12 +84,16 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         if name == wire.STOP:
             break
         if name == wire.RUN:
-            from shardcheck.run_config import RunConfig
+            from contextlib import nullcontext
+
+            from shardcheck.harness.run_config import RunConfig, in_effect
 
             checks = wire.Checks.from_wire(kwargs["checks"])
             wire.apply_settings(kwargs.get("settings", {}))
             config = RunConfig.from_wire(kwargs["config"]) if "config" in kwargs else None
-            result = runner.run(kwargs["scenario"], kwargs["target"], kwargs["seq"], checks, config)
+            # in effect while the scenario runs: what a target asks of the run (its backend) is the controller's
+            with in_effect(config) if config is not None else nullcontext():
+                result = runner.run(kwargs["scenario"], kwargs["target"], kwargs["seq"], checks, config)
             conn.send(wire.message(wire.RESULT, **result.to_wire()))
     try:
         dist.destroy_process_group()
@@ -171,7 +175,7 @@ class RankRunner:
         target first undoes what the previous one set process-wide (``release()``: slime's stubs,
         its env and sys.path), so the next target runs in the process it would have had alone."""
         from shardcheck.harness import wire
-        from shardcheck.run_config import effective
+        from shardcheck.harness.run_config import effective
 
         config = (config or effective(spec)).for_target(spec)
         key = (spec, config.target_key(), tuple(sorted(wire.user_settings().items())))
@@ -185,8 +189,9 @@ class RankRunner:
         self._current = key
         if key not in self._targets:
             from shardcheck.targets import resolve
+            from shardcheck.targets.base import TargetConfig
 
-            self._targets[key] = resolve(spec, config.target_config)
+            self._targets[key] = resolve(spec, TargetConfig.of_run(config))
         return self._targets[key]
 
     def close(self) -> None:
@@ -214,7 +219,7 @@ class RankRunner:
         from shardcheck.harness.rank.pipeline import CheckRaised, Frame, pipeline_for
         from shardcheck.harness.wire import Failure, RankResult
 
-        from shardcheck.run_config import effective
+        from shardcheck.harness.run_config import effective
 
         t0 = time.perf_counter()
         checks = checks or wire.Checks()
