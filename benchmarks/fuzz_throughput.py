@@ -2,7 +2,7 @@
 
 Prints:
   - world start-up (once, stated on its own and excluded from every rate);
-  - the fuzz path: ``shardcheck.harness.controller.fuzz.fuzz`` against the builtin target on one reused
+  - the fuzz path: ``shardcheck.harness.controller.commands.fuzz.fuzz`` against the builtin target on one reused
     world, in scenarios per minute of scenario time and of search time (hypothesis' generation
     and bookkeeping included);
   - baselines on the same scenarios: run as one suite (``shardcheck run`` semantics, one
@@ -25,9 +25,10 @@ import time
 
 from hypothesis import HealthCheck, given, settings
 
-from shardcheck.harness.controller import fuzz, runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import SpawnedWorld
+from shardcheck.harness.controller.commands import fuzz
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.strategies import scenarios
 

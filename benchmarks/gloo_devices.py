@@ -28,10 +28,10 @@ import subprocess
 import sys
 import time
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import SpawnedWorld
-from shardcheck.harness.rank.gloo_device import ENV, loop_threads
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
+from shardcheck.harness.rank.plumbing.gloo_device import ENV, loop_threads
 from shardcheck.scenarios import get_suite
 
 KINDS = ("shared", "per-group")  # the values of SHARDCHECK_GLOO_DEVICES

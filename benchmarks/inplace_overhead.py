@@ -16,8 +16,8 @@ import argparse
 import statistics
 import time
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.world import SpawnedWorld
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 from shardcheck.harness.wire import Checks
 from shardcheck.scenarios import get_suite
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardcheck.harness.controller.invariance import AXES, check_invariance
-from shardcheck.harness.controller.invariance_report import render
+from shardcheck.harness.controller.commands.invariance import AXES, check_invariance
+from shardcheck.harness.controller.reports.invariance_report import render
 from shardcheck.scenarios import get_suite
 
 

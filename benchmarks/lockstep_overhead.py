@@ -18,9 +18,9 @@ import os
 import statistics
 import time
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import SpawnedWorld
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 from shardcheck.scenarios import get_suite
 from shardcheck.targets.mutants import MUTANTS
 

@@ -21,11 +21,11 @@ import argparse
 import statistics
 import time
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.cpu_wait import cpu_wait_seconds
-from shardcheck.harness.controller.fake import FakeWorld
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import SpawnedWorld
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.worlds.cpu_wait import cpu_wait_seconds
+from shardcheck.harness.controller.worlds.simulated import FakeWorld
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario
 
 

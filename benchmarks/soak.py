@@ -28,10 +28,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import JsonReport, SilentReport
-from shardcheck.harness.controller.verdict import FAIL, PASS, RunInfo, Verdict
-from shardcheck.harness.controller.world import SpawnedWorld
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import JsonReport, SilentReport
+from shardcheck.harness.controller.reports.verdict import FAIL, PASS, RunInfo, Verdict
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario
 
 NPROC = 4

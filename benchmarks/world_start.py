@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-from shardcheck.harness.controller.world import SpawnedWorld
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 
 
 def _cycle(nproc: int, fork_server: bool) -> tuple[float, float]:

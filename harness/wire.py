@@ -30,7 +30,7 @@ from dataclasses import field as _field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shardcheck.harness.run_config import RunConfig
+    from shardcheck.run_config import RunConfig
 
 RUN, STOP = "run", "stop"
 
@@ -97,7 +97,7 @@ def target_settings() -> dict[str, str]:
     for a sender whose run message has no ``config`` (the simulated world)."""
     import json
 
-    from shardcheck.harness.run_config import active
+    from shardcheck.run_config import active
 
     config = active()
     return user_settings() | ({RUN_CONFIG_SETTING: json.dumps(config.to_wire())} if config is not None else {})
@@ -111,7 +111,7 @@ def apply_settings(settings: dict[str, str]) -> None:
     if config is not None:
         import json
 
-        from shardcheck.harness.run_config import RunConfig, receive
+        from shardcheck.run_config import RunConfig, receive
 
         receive(RunConfig.from_wire(json.loads(config)))
     for k in [k for k in os.environ if k.startswith(SETTINGS_PREFIX) and k not in settings]:

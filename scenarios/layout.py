@@ -51,7 +51,7 @@ class RankLayout:
     columns: tuple[int, int]
     share: tuple[tuple[int, ...], ...]  # per sample: response token indices returned, in order
     # who laid the rows out: "shardcheck" (this module's arithmetic) or the framework's function
-    # whose output the position trace decoded (shardcheck.harness.traced_layout)
+    # whose output the position trace decoded (shardcheck.scenarios.traced_layout)
     built_by: str = "shardcheck"
 
     @property

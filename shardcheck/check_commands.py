@@ -2,7 +2,7 @@
 
 Each plans first (:mod:`shardcheck.command`: the run's configuration, the scenarios, its own
 settings, everything refused that would be refused) and then executes the plan with its
-configuration in effect (:func:`shardcheck.harness.run_config.in_effect`), which reaches every rank inside
+configuration in effect (:func:`shardcheck.run_config.in_effect`), which reaches every rank inside
 each ``run`` message.
 """
 
@@ -21,7 +21,7 @@ from shardcheck.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_C
                                 name_list, key_value, register, repeat_args, run_config, scenario_options,
                                 search_options, select, unwritten, world_options, writable)
 from shardcheck.errors import BadInput
-from shardcheck.run_config import in_effect
+from shardcheck.run_options import in_effect
 from shardcheck.targets.source import source_names
 
 
@@ -67,10 +67,10 @@ class Run(Command):
         return Plan(config, tuple(scenarios), settings, args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller import runner
-        from shardcheck.harness.controller.joined import launched_by_torchrun
-        from shardcheck.harness.controller.report import JsonReport, Reporters, SilentReport, TerminalReport
-        from shardcheck.harness.controller.worlds import world_for
+        from shardcheck.harness.controller.commands import runner
+        from shardcheck.harness.controller.worlds.joined import launched_by_torchrun
+        from shardcheck.harness.controller.reports.run_report import JsonReport, Reporters, SilentReport, TerminalReport
+        from shardcheck.harness.controller.worlds.choice import world_for
 
         config, s = plan.config, plan.settings
         world, rank, json_path = None, 0, s.json_report
@@ -82,7 +82,7 @@ class Run(Command):
         reports = json_report(json_path, s.suite, JsonReport)
         html_report, scratch = None, None
         if s.html_report and rank == 0:
-            from shardcheck.harness.controller.html_report import HtmlReport
+            from shardcheck.harness.controller.reports.html_report import HtmlReport
 
             if reports is None:  # the page is built from the JSON report's data: keep one aside
                 import tempfile
@@ -115,7 +115,7 @@ def _check_coverage(config: Any) -> None:
     """--coverage needs coverage.py and a target that names its framework's files."""
     import importlib.util
 
-    from shardcheck.harness.controller.runner import controller_target
+    from shardcheck.harness.controller.commands.runner import controller_target
 
     if importlib.util.find_spec("coverage") is None:
         raise BadInput("--coverage needs coverage.py: pip install 'shardcheck[coverage]' (or coverage)")
@@ -160,7 +160,7 @@ class Invariance(Command):
         check_switches(v, invariance=True)
 
     def plan(self, args: argparse.Namespace) -> Plan:
-        from shardcheck.harness.controller.invariance import AXES, check_axes, parse_expect
+        from shardcheck.harness.controller.commands.invariance import AXES, check_axes, parse_expect
 
         check_world(args)
         axes = check_axes(args.axis) if args.axis else list(AXES)
@@ -175,8 +175,8 @@ class Invariance(Command):
         return Plan(config, tuple(scenarios), settings, args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller.invariance import check_invariance
-        from shardcheck.harness.controller.invariance_report import InvarianceJson, InvarianceProgress, render
+        from shardcheck.harness.controller.commands.invariance import check_invariance
+        from shardcheck.harness.controller.reports.invariance_report import InvarianceJson, InvarianceProgress, render
 
         config, s = plan.config, plan.settings
         report = json_report(s.json_report, s.suite, InvarianceJson)
@@ -186,7 +186,7 @@ class Invariance(Command):
             if report is not None:
                 report.write(result)
             if s.html_report:
-                from shardcheck.harness.controller.html_report import render, write
+                from shardcheck.harness.controller.reports.html_report import render, write
 
                 doc = {"shardcheck_command": "invariance", "suite": s.suite, **result.to_dict()}
                 write(s.html_report, render(json.loads(json.dumps(doc, default=str))))
@@ -245,8 +245,8 @@ class Bisect(Command):
         return Plan(config, tuple(scenarios), settings, args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller.bisect import bisect
-        from shardcheck.harness.controller.report import TerminalReport, render_table
+        from shardcheck.harness.controller.commands.bisect import bisect
+        from shardcheck.harness.controller.reports.run_report import TerminalReport, render_table
 
         config, s = plan.config, plan.settings
 
@@ -300,7 +300,7 @@ class Fuzz(Command):
         check_switches(f)
 
     def plan(self, args: argparse.Namespace) -> Plan:
-        from shardcheck.harness.controller import fuzz
+        from shardcheck.harness.controller.commands import fuzz
 
         check_world(args)
         config = run_config(args)
@@ -312,8 +312,8 @@ class Fuzz(Command):
         return Plan(config, None, settings, args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller import fuzz
-        from shardcheck.harness.controller.fuzz_report import (Progress, header, repro_offer, summary,
+        from shardcheck.harness.controller.commands import fuzz
+        from shardcheck.harness.controller.reports.fuzz_report import (Progress, header, repro_offer, summary,
                                                                write_minimal, write_unshrunk)
 
         config, s = plan.config, plan.settings
@@ -322,7 +322,7 @@ class Fuzz(Command):
         def on_start(found: fuzz.FuzzResult) -> None:  # the options are valid; the world is not up yet
             writable(s.out)
             if s.html_report:
-                from shardcheck.harness.controller.html_report import check_writable
+                from shardcheck.harness.controller.reports.html_report import check_writable
 
                 check_writable(s.html_report)
             if not s.quiet:
@@ -345,7 +345,7 @@ class Fuzz(Command):
             progress.close()
             minimal, written, replay = write_minimal(result, s.out, "run", s.repeat)
             if s.html_report:
-                from shardcheck.harness.controller.html_report import fuzz_page, write
+                from shardcheck.harness.controller.reports.html_report import fuzz_page, write
 
                 write(s.html_report, fuzz_page(result))
             print(summary(result, written, replay, minimal, repro_offer(config.target, minimal, written, s.repeat)),
@@ -375,7 +375,7 @@ class Simulate(Command):
         check_switches(m)
 
     def plan(self, args: argparse.Namespace) -> Plan:
-        from shardcheck.harness.controller.limits import check_timeout
+        from shardcheck.harness.controller.worlds.limits import check_timeout
 
         check_timeout(args.timeout)  # the world is fake: no machine bounds, only --max-world
         if args.max_world < 1:
@@ -392,7 +392,7 @@ class Simulate(Command):
         return Plan(config, tuple(scenarios) if scenarios is not None else None, settings, args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller import simulate
+        from shardcheck.harness.controller.commands import simulate
 
         scenarios = list(plan.scenarios) if plan.scenarios is not None else None
         with in_effect(plan.config):

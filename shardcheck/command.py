@@ -21,11 +21,11 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.backend import BACKENDS
+from shardcheck.backend import BACKENDS
 from shardcheck.targets.source import source_env, source_flag, source_names
 
 if TYPE_CHECKING:
-    from shardcheck.run_config import RunConfig
+    from shardcheck.run_options import RunConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_NOTHING_CHECKED = 5  # as pytest's "no tests collected": a green that checked nothing is not green
@@ -88,7 +88,7 @@ def world_options(p: argparse.ArgumentParser, *, timeout_only: bool = False, sim
     """The options of every command that checks a target on a world it starts (run, invariance,
     fuzz); ``timeout_only``: just --timeout (bisect, whose own options name the target);
     ``simulated``: no backend or world-size options (simulate's world is fake)."""
-    from shardcheck.harness.controller.limits import MAX_TIMEOUT_S, timeout_seconds
+    from shardcheck.harness.controller.worlds.limits import MAX_TIMEOUT_S, timeout_seconds
 
     if not timeout_only:
         p.add_argument("--target", default="builtin",
@@ -186,8 +186,8 @@ def name_list(text: str) -> list[str]:
 # -- the preamble of a command that checks a target --------------------------------------------------
 def run_config(args: argparse.Namespace, **given: Any) -> RunConfig:
     """The run's configuration from a command line (``given``: what the command decides itself,
-    as bisect's target): :func:`shardcheck.run_config.build`, the builder the pytest plugin uses too."""
-    from shardcheck.run_config import build
+    as bisect's target): :func:`shardcheck.run_options.build`, the builder the pytest plugin uses too."""
+    from shardcheck.run_options import build
 
     options = {
         "target": getattr(args, "target", None),
@@ -224,7 +224,7 @@ def _reading(args: argparse.Namespace) -> Any:
         return None
     import time
 
-    from shardcheck.harness.controller.report import visible
+    from shardcheck.harness.controller.reports.run_report import visible
 
     path, t0 = visible(args.scenario_file), time.perf_counter()
 
@@ -262,7 +262,7 @@ def select(args: argparse.Namespace) -> list:
 def check_world(args: argparse.Namespace, scenarios: list | None = None, axes: list[str] | None = None) -> None:
     """The world's options, before anything is loaded; given the scenarios (run, or invariance
     along ``axes``), that the world they need fits this machine (see harness/controller/limits)."""
-    from shardcheck.harness.controller import limits
+    from shardcheck.harness.controller.worlds import limits
 
     if scenarios is not None:
         if axes is None:
@@ -279,11 +279,11 @@ def check_world(args: argparse.Namespace, scenarios: list | None = None, axes: l
 def check_reports(args: argparse.Namespace) -> None:
     """The reports a command writes as it goes can be written: before any world starts."""
     if getattr(args, "html_report", None):
-        from shardcheck.harness.controller.html_report import check_writable
+        from shardcheck.harness.controller.reports.html_report import check_writable
 
         check_writable(args.html_report)
     if getattr(args, "json_report", None):
-        from shardcheck.harness.controller.report_file import check_report_path
+        from shardcheck.harness.controller.reports.report_file import check_report_path
 
         check_report_path(args.json_report, "--json-report", "the JSON report")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from shardcheck.command import EXIT_OK, Command, Plan, register, run_config, select, target_options
 from shardcheck.errors import BadInput
-from shardcheck.run_config import in_effect
+from shardcheck.run_options import in_effect
 from shardcheck.targets.source import source_names
 
 
@@ -32,7 +32,7 @@ class Repro(Command):
                             "run with it: the same)")
 
     def plan(self, args: argparse.Namespace) -> Plan:
-        from shardcheck.harness.controller import repro
+        from shardcheck.harness.controller.commands import repro
 
         if args.report:
             if args.target or args.suite or args.scenario_file:
@@ -56,7 +56,7 @@ class Repro(Command):
         return Plan(config, (failed.scenario,), settings, args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller import repro
+        from shardcheck.harness.controller.commands import repro
         from shardcheck.targets import resolve
         from shardcheck.targets.base import TargetConfig
 
@@ -76,8 +76,8 @@ class Repro(Command):
 def _layouts_of_a_run(config: Any, scenario: Any) -> dict[int, dict[str, Any]]:
     """Run ``scenario`` once on a world of its size (gloo) for the rows the target's data path
     builds on each rank, as a report holds them."""
-    from shardcheck.harness.controller import runner
-    from shardcheck.harness.controller.report import SilentReport
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import SilentReport
 
     with in_effect(config):
         [verdict] = runner.run([scenario], config.target, reporter=SilentReport(), nproc=scenario.ranks,
@@ -100,7 +100,7 @@ class Report(Command):
     def plan(self, args: argparse.Namespace) -> Plan:
         import json
 
-        from shardcheck.harness.controller.html_report import check_writable
+        from shardcheck.harness.controller.reports.html_report import check_writable
 
         try:
             with open(args.json, encoding="utf-8") as f:
@@ -115,7 +115,7 @@ class Report(Command):
         return Plan(settings=SimpleNamespace(doc=doc, html=args.html), args=args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller.html_report import render, write
+        from shardcheck.harness.controller.reports.html_report import render, write
 
         write(plan.settings.html, render(plan.settings.doc))
         print(f"wrote {plan.settings.html}")

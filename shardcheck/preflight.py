@@ -69,11 +69,11 @@ def distinct_paths(args: argparse.Namespace) -> None:
 def _default_out(command: str) -> str | None:
     """Where ``command`` writes its minimal failing scenario when no --out is given."""
     if command == "fuzz":
-        from shardcheck.harness.controller.fuzz import DEFAULT_OUT
+        from shardcheck.harness.controller.commands.fuzz import DEFAULT_OUT
 
         return DEFAULT_OUT
     if command == "simulate":
-        from shardcheck.harness.controller.simulate import DEFAULT_OUT
+        from shardcheck.harness.controller.commands.simulate import DEFAULT_OUT
 
         return DEFAULT_OUT
     return None

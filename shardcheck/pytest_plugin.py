@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from shardcheck.harness.backend import BACKENDS
+from shardcheck.backend import BACKENDS
 
 if TYPE_CHECKING:
-    from shardcheck.run_config import RunConfig
+    from shardcheck.run_options import RunConfig
 
 MARKER = "multigpu"
 DEFAULT_NPROC = 4
@@ -93,7 +93,7 @@ class ShardcheckSession:
 
     def __init__(self, world: Any, target: str, report: Any = None, inplace: bool = True,
                  config: RunConfig | None = None) -> None:
-        from shardcheck.run_config import RunConfig
+        from shardcheck.run_options import RunConfig
 
         self.world = world
         self.report = report  # --shardcheck-html-report's page, or None
@@ -108,9 +108,9 @@ class ShardcheckSession:
         return self.config.inplace
 
     def run(self, scenario: Any, target: str | None = None) -> Any:
-        """The scenario's :class:`~shardcheck.harness.controller.verdict.Verdict` (pass, fail or skip)."""
-        from shardcheck.harness.controller import runner
-        from shardcheck.harness.controller.report import SilentReport
+        """The scenario's :class:`~shardcheck.harness.controller.reports.verdict.Verdict` (pass, fail or skip)."""
+        from shardcheck.harness.controller.commands import runner
+        from shardcheck.harness.controller.reports.run_report import SilentReport
 
         config = self.config.for_target(target or self.target)
         result = runner.run([scenario], config.target, reporter=self.report or SilentReport(), world=self.world,
@@ -119,8 +119,8 @@ class ShardcheckSession:
 
     def check(self, scenario: Any, target: str | None = None) -> Any:
         """Run the scenario; fail the test with its findings, skip it with the reason."""
-        from shardcheck.harness.controller.report import render_failure
-        from shardcheck.harness.controller.verdict import ERROR, FAIL, SKIP, TIMED_OUT
+        from shardcheck.harness.controller.reports.run_report import render_failure
+        from shardcheck.harness.controller.reports.verdict import ERROR, FAIL, SKIP, TIMED_OUT
 
         verdict = self.run(scenario, target)
         if verdict.status == SKIP:
@@ -141,8 +141,8 @@ class ShardcheckSession:
         """The invariance matrix of the scenarios' samples (an :class:`InvarianceResult`);
         ``expect`` ("packing=bitwise,tp=ulp:8", or {axis: "bitwise"}) overrides the target's
         declared contract."""
-        from shardcheck.harness.controller.invariance import AXES, check_invariance, parse_expect
-        from shardcheck.run_config import in_effect
+        from shardcheck.harness.controller.commands.invariance import AXES, check_invariance, parse_expect
+        from shardcheck.run_options import in_effect
 
         if isinstance(expect, dict):
             expect = ",".join(f"{a}={e}" for a, e in expect.items())
@@ -156,7 +156,7 @@ class ShardcheckSession:
                          expect: str | dict | None = None, target: str | None = None) -> Any:
         """Fail the test when the contract (the target's, or ``expect``) is broken on any axis;
         the message starts with the first violation (axis, layouts, sample, token, both values)."""
-        from shardcheck.harness.controller.invariance_report import render
+        from shardcheck.harness.controller.reports.invariance_report import render
 
         result = self.invariance(scenarios, axes=axes, expect=expect, target=target)
         if result.violations:
@@ -168,8 +168,8 @@ class ShardcheckSession:
 def shardcheck_world(request: pytest.FixtureRequest) -> Any:
     """One world for the whole session: started here, or joined under torchrun."""
     from shardcheck.errors import ShardcheckError
-    from shardcheck.harness.controller.joined import launched_by_torchrun
-    from shardcheck.harness.controller.worlds import world_for
+    from shardcheck.harness.controller.worlds.joined import launched_by_torchrun
+    from shardcheck.harness.controller.worlds.choice import world_for
 
     opt = request.config.getoption
     try:
@@ -189,7 +189,7 @@ def run_config(config: pytest.Config) -> RunConfig:
     """The session's run configuration from its ``--shardcheck-*`` options, by the builder the
     command line uses (``SHARDCHECK_TARGET`` the default target); BadInput, one line, naming the
     option."""
-    from shardcheck.run_config import build
+    from shardcheck.run_options import build
 
     opt = config.getoption
     return build(target=opt("--shardcheck-target"), target_src=opt("--shardcheck-target-src"),
@@ -210,7 +210,7 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
         config = run_config(request.config)
         resolve(config.target, TargetConfig.of_run(config))  # a bad spec or option is one line, once, before any rank starts
         if path:
-            from shardcheck.harness.controller.html_report import check_writable
+            from shardcheck.harness.controller.reports.html_report import check_writable
 
             check_writable(path)
     except BadInput as exc:
@@ -218,7 +218,7 @@ def shardcheck(request: pytest.FixtureRequest) -> ShardcheckSession:
     world = request.getfixturevalue("shardcheck_world")
     report = None
     if path and getattr(world, "rank", 0) == 0:  # under torchrun, rank 0 writes it
-        from shardcheck.harness.controller.html_report import SessionHtmlReport
+        from shardcheck.harness.controller.reports.html_report import SessionHtmlReport
 
         report = SessionHtmlReport(path)
 

@@ -268,7 +268,7 @@ class ArealTarget(CheckoutTarget):
             raise ValueError(f"{self.name} runs on AReaL's packing, and the harness handed it no rollout")
         import torch
 
-        from shardcheck.harness.traced_layout import local_tokens_at
+        from shardcheck.scenarios.traced_layout import local_tokens_at
 
         rows = torch.tensor(local_tokens_at(inputs.rank_layout, inputs.tokens), dtype=torch.int64)
         rollout = inputs.rollout.to(inputs.logits.device)
@@ -370,7 +370,7 @@ class ArealTarget(CheckoutTarget):
 
 def _ranks_on_nccl() -> bool:
     """Whether this command's CP groups run on nccl: asked for, or auto with two GPUs or more."""
-    from shardcheck.harness.backend import requested_backend
+    from shardcheck.backend import requested_backend
 
     asked = requested_backend()
     if asked != "auto":

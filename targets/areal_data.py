@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardcheck.harness.backend import gloo_safe_all_gather
+from shardcheck.backend import gloo_safe_all_gather
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout, positive_int_or_none
 from shardcheck.targets.compiled import names_read, compile_alone

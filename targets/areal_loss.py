@@ -430,7 +430,7 @@ class ArealLossTarget(ArealTarget):
         if step is None or inputs.policy is None or inputs.rollout is None:
             raise ValueError(f"{self.name} is a training step's loss on AReaL's packing: it needs the step inputs, "
                              "the policy batch and the rollout")
-        from shardcheck.harness.traced_layout import local_tokens_at
+        from shardcheck.scenarios.traced_layout import local_tokens_at
 
         device = inputs.logits.device
         rows = torch.tensor(local_tokens_at(inputs.rank_layout, inputs.tokens), dtype=torch.int64)

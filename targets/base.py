@@ -33,7 +33,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from shardcheck.harness.run_config import OPTS_ENV, SRC_ENV, RunConfig, active, environment_target
+from shardcheck.run_config import OPTS_ENV, SRC_ENV, RunConfig, active, environment_target
 from shardcheck.scenarios.data import OBJECTIVES
 from shardcheck.scenarios.layout import local_held_rows, local_row_targets, local_share_rows
 from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
@@ -96,7 +96,7 @@ class TargetConfig:
     """What a user gives a target besides its name: ``--target-src DIR`` (a source checkout) and
     ``--target-opt KEY=VALUE`` (repeatable). A factory that takes a ``config`` argument gets it;
     one that declares ``options = {KEY: help}`` has unknown keys refused (one line, exit 2).
-    A run carries it in its :class:`~shardcheck.harness.run_config.RunConfig` (:meth:`of_run`),
+    A run carries it in its :class:`~shardcheck.run_config.RunConfig` (:meth:`of_run`),
     which reaches every rank inside each ``run`` message; :meth:`to_environment` and
     :meth:`from_environment` (the variables :data:`SRC_ENV`, :data:`OPTS_ENV`) are kept for
     callers written before it."""
@@ -166,7 +166,7 @@ def parse_option(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-# SRC_ENV, OPTS_ENV: the run configuration's (harness/run_config.py), imported above and kept here
+# SRC_ENV, OPTS_ENV: the run configuration's (shardcheck/run_config.py), imported above and kept here
 
 
 @dataclass
@@ -397,13 +397,13 @@ class DataPath(Protocol):
     ``local_tokens(rollout)``: this rank's token ids as the framework's model would receive
     them (``[1, T]`` packed or ``[B, M]`` padded; 0 where it pads), built by the framework's own
     code with the process groups the harness set up. The harness calls it with a
-    position-encoded rollout to learn the layout (:mod:`shardcheck.harness.traced_layout`) and
+    position-encoded rollout to learn the layout (:mod:`shardcheck.scenarios.traced_layout`) and
     with the real one to see that the framework laid the real tokens out the same way.
 
     Optional, ``model_inputs(rollout)``: what else the framework's code hands this rank's model,
     as a dict with "position_ids" (one per local row, flattened as the tokens) and / or
     "cu_seqlens" (the packed stream's sequence boundaries); the harness checks them against the
-    learned layout (:mod:`shardcheck.harness.rank.model_inputs`).
+    learned layout (:mod:`shardcheck.harness.rank.life.model_inputs`).
     """
 
     name: str

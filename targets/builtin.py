@@ -350,7 +350,7 @@ class BuiltinTarget(TargetBase):
         return REPRO_CALL if type(self).__module__ in ("shardcheck.targets.builtin", "shardcheck.targets.mutants") else None
 
 
-# How a `shardcheck repro` script calls this target (see harness/controller/repro.py): shardcheck's
+# How a `shardcheck repro` script calls this target (see harness/controller/commands/repro.py): shardcheck's
 # own implementation is loaded from its source tree, folder by folder as pyproject.toml maps them,
 # so the script needs torch and that tree, not an installed shardcheck.
 REPRO_CALL = '''

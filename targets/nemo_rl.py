@@ -578,7 +578,7 @@ class NemoRLTarget(CheckoutTarget):
         return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
 
 
-# How a `shardcheck repro` script calls NeMo-RL (see harness/controller/repro.py): as NemoRLTarget
+# How a `shardcheck repro` script calls NeMo-RL (see harness/controller/commands/repro.py): as NemoRLTarget
 # does on the harness's rows at cp 1, from the checkout (its package __init__.py files not run).
 REPRO_CALL = '''
 def call_code_under_test(logits, rank):
@@ -612,7 +612,7 @@ def call_code_under_test(logits, rank):
 def _ranks_on_cuda() -> bool:
     """Whether this command's ranks compute on CUDA: asked for (nccl, gloo-cuda), or auto with
     two GPUs or more (a CP world under auto then gets nccl where it has one GPU per rank)."""
-    from shardcheck.harness.backend import ON_CUDA, requested_backend
+    from shardcheck.backend import ON_CUDA, requested_backend
 
     asked = requested_backend()
     return asked in ON_CUDA or (asked == "auto" and _cuda_devices() >= 2)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardcheck.scenarios.layout import RankLayout, rank_layout
-from shardcheck.harness.traced_layout import harness_local_tokens
+from shardcheck.scenarios.traced_layout import harness_local_tokens
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout
 

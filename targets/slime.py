@@ -224,7 +224,7 @@ class SlimeTarget(CheckoutTarget):
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
 
 
-# How a `shardcheck repro` script calls slime (see harness/controller/repro.py): as SlimeTarget
+# How a `shardcheck repro` script calls slime (see harness/controller/commands/repro.py): as SlimeTarget
 # does with the harness's rows (layout=shardcheck), from the checkout, megatron-core's groups built.
 REPRO_CALL = '''
 def call_code_under_test(logits, rank):
@@ -393,7 +393,7 @@ class SlimeLossTarget(SlimePolicyLossTarget):
     loss_form = "step"
     framework_files = SlimePolicyLossTarget.framework_files + (str(METRICS_FILE), str(slime_schedule.SCHEDULE_FILE))
     # the loss the framework's training step differentiates (the model's CP collective runs in
-    # its backward: harness/rank/model_stand_in.py)
+    # its backward: harness/rank/life/model_stand_in.py)
     training_loss = True
 
     def __init__(self, src: str | None = None, layout: str = "framework", per_token: bool = False) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 from shardcheck.errors import BadInput
 # The group's names and each one's variable belong to the run configuration, which reads them
 # without a target (RunConfig.from_environment); kept importable from here.
-from shardcheck.harness.run_config import SOURCES_GROUP as GROUP
-from shardcheck.harness.run_config import source_env, source_names  # noqa: F401
+from shardcheck.run_config import SOURCES_GROUP as GROUP
+from shardcheck.run_config import source_env, source_names  # noqa: F401
 
 COMMIT_ENV = "SHARDCHECK_TARGET_COMMIT"  # the commit a source without .git was exported from (bisect)
 

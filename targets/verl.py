@@ -668,7 +668,7 @@ class VerlActorTarget(VerlTarget):
                                  for k in ("log_probs", "entropy")])
         from torch.distributed.nn.functional import all_reduce
 
-        from shardcheck.harness.traced_layout import row_map
+        from shardcheck.scenarios.traced_layout import row_map
 
         samples = inputs.rank_layout.scenario.samples
         held = {rp for rp in row_map(inputs.rank_layout) if rp is not None}
@@ -705,7 +705,7 @@ class VerlActorTarget(VerlTarget):
                                "(packing_mismatch) is wrong here")
 
 
-# How a `shardcheck repro` script calls verl (see harness/controller/repro.py): as VerlTarget and
+# How a `shardcheck repro` script calls verl (see harness/controller/commands/repro.py): as VerlTarget and
 # VerlActorTarget (legacy call site) do on the harness's rows, from the checkout.
 REPRO_CALL = '''
 def call_code_under_test(logits, rank):

@@ -13,8 +13,8 @@ import pytest
 # Reporters whose default streams are bound when their module is imported (TerminalReport, the
 # fuzz Progress): imported here, they hold the session's streams, not those of the first test's
 # capsys (closed after that test) that calls shardcheck.cli.main in this process.
-import shardcheck.harness.controller.fuzz_report  # noqa: F401
-import shardcheck.harness.controller.report  # noqa: F401
+import shardcheck.harness.controller.reports.fuzz_report  # noqa: F401
+import shardcheck.harness.controller.reports.run_report  # noqa: F401
 
 TESTS = Path(__file__).parent
 
@@ -167,7 +167,7 @@ def cli_in_process(capsys, monkeypatch) -> Iterator[Callable[..., MainResult]]:
     """``shardcheck ARGS`` as ``main([...])`` in this process, for input refused before any world
     starts: no interpreter and torch import per case, and a world starting fails the test."""
     from shardcheck.cli import main
-    from shardcheck.harness.controller.world import SpawnedWorld
+    from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 
     def no_world(self: Any) -> None:
         pytest.fail("a world started: this input must be refused before any world starts", pytrace=False)
@@ -203,8 +203,8 @@ def run_on_world(world: Any, scenarios: Sequence[Any], target: str, report: Path
     the same reporters (terminal table, JSON report), no interpreter start. On ``world``, one
     this session already started; with None, on a world of the run's own, as the CLI starts
     (``options``: runner.run's timeout, lockstep, ...)."""
-    from shardcheck.harness.controller import runner
-    from shardcheck.harness.controller.report import JsonReport, Reporters, TerminalReport
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import JsonReport, Reporters, TerminalReport
 
     out = io.StringIO()
     # the terminal report's default streams are bound at import: give it its own
@@ -218,7 +218,7 @@ def run_on_world(world: Any, scenarios: Sequence[Any], target: str, report: Path
 def world():
     """One 4-rank gloo world for every test that does not need a world of its own (a few seconds
     the first time in a process; it restarts itself when a scenario leaves it unusable)."""
-    from shardcheck.harness.controller.world import SpawnedWorld
+    from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 
     with SpawnedWorld(4, timeout=20) as w:
         yield w
@@ -227,7 +227,7 @@ def world():
 @pytest.fixture(scope="session")
 def world2():
     """One 2-rank gloo world for the tests that need a world smaller than their scenarios."""
-    from shardcheck.harness.controller.world import SpawnedWorld
+    from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 
     with SpawnedWorld(2, timeout=30) as w:
         yield w

@@ -628,7 +628,7 @@ class _SplitOffByOne:
     def local_tokens(self, rollout):
         import dataclasses
 
-        from shardcheck.harness.traced_layout import harness_local_tokens
+        from shardcheck.scenarios.traced_layout import harness_local_tokens
         from shardcheck.targets.own_layout import OwnDataPath
 
         layout = OwnDataPath().layout(rollout)
@@ -653,7 +653,7 @@ class _ValueDependentPath(_SplitOffByOne):
     name = "tests/plants.py:_ValueDependentPath"
 
     def local_tokens(self, rollout):
-        from shardcheck.harness.traced_layout import harness_local_tokens
+        from shardcheck.scenarios.traced_layout import harness_local_tokens
         from shardcheck.targets.own_layout import OwnDataPath
 
         tokens = harness_local_tokens(OwnDataPath().layout(rollout), rollout.tokens)
@@ -690,7 +690,7 @@ class _SlimeLikePadding(_SplitOffByOne):
             stream = torch.cat(rollout.tokens)
             stream = torch.nn.functional.pad(stream, (0, -len(stream) % (cp * unit)))
             return stream.chunk(cp)[mpu.get_context_parallel_rank()].unsqueeze(0)
-        from shardcheck.harness.traced_layout import harness_local_tokens
+        from shardcheck.scenarios.traced_layout import harness_local_tokens
         from shardcheck.targets.own_layout import OwnDataPath
 
         rows = harness_local_tokens(OwnDataPath().layout(rollout), rollout.tokens).reshape(-1)

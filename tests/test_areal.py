@@ -645,7 +645,7 @@ def test_a_zero_length_sequence_handed_to_the_model_fixed_at_be621da55(world2, t
     """pad_packed_tensor_dict appended the padded length to cu_seqlens even when there was nothing
     to pad: two samples filling AReaL's 256-token page exactly gave the model's attention a
     sequence of zero length (cu_seqlens [0, 200, 256, 256]). What the model is handed is checked
-    against the learned layout (harness/rank/model_inputs.py): a layout_mismatch at the parent,
+    against the learned layout (harness/rank/life/model_inputs.py): a layout_mismatch at the parent,
     nothing at the fix."""
     run, verdicts = _run(world2, tmp_path, monkeypatch, "areal", PAGE, src=_export(tmp_path, f"{PR_1104}~1"),
                          commit=f"{PR_1104}~1")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.backend import choose_backend, process_group_backend, rank_device
-from shardcheck.harness.controller.joined import launched_by_torchrun
+from shardcheck.backend import choose_backend, process_group_backend, rank_device
+from shardcheck.harness.controller.worlds.joined import launched_by_torchrun
 
 
 @pytest.mark.parametrize("cuda,gpus,nproc,want", [

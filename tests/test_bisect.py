@@ -13,10 +13,10 @@ import pytest
 
 from conftest import run_cli
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller import bisect as bisect_module
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.bisect import COMMIT_ENV, SRC_ENV, Step, search, signature
-from shardcheck.harness.controller.verdict import FAIL, PASS, VALUE_MISMATCH, Failure, RunInfo, Verdict
+from shardcheck.harness.controller.commands import bisect as bisect_module
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.commands.bisect import COMMIT_ENV, SRC_ENV, Step, search, signature
+from shardcheck.harness.controller.reports.verdict import FAIL, PASS, VALUE_MISMATCH, Failure, RunInfo, Verdict
 from shardcheck.scenarios import get_suite
 
 LOSS = '''

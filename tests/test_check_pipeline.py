@@ -95,7 +95,7 @@ def test_a_check_named_in_the_environment_must_be_one():
 
 @pytest.mark.world
 def test_a_new_kind_is_found_by_its_own_module_and_rendered_by_every_report(tmp_path, world, monkeypatch):
-    from shardcheck.harness.controller.html_report import render
+    from shardcheck.harness.controller.reports.html_report import render
 
     monkeypatch.setenv(EXTRA_ENV, "toy_check:PositiveLogProb")  # every rank reads the SHARDCHECK_* settings
     scenarios = [s for s in get_suite("smoke") if s.name in ("thd-tp2cp1-basic", "zigzag-tp2cp2-edges")]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from shardcheck.harness.rank.compare import TOLERANCES, compare_grad, compare_outputs, mismatch_mask
+from shardcheck.harness.rank.checks.compare import TOLERANCES, compare_grad, compare_outputs, mismatch_mask
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.data import ScenarioData
@@ -249,7 +249,7 @@ def _float32_after(x: float, steps: int) -> float:
 def test_values_that_differ_by_one_ulp_read_differently_and_say_how_far_apart():
     import numpy as np
 
-    from shardcheck.harness.rank.compare import apart
+    from shardcheck.harness.rank.checks.compare import apart
 
     for x in (-0.79949, -0.70568, 1.0, 3.0e-7, 12345.678):
         was, now = float(np.float32(x)), _float32_after(x, 1)
@@ -273,8 +273,8 @@ def test_values_that_differ_by_one_ulp_read_differently_and_say_how_far_apart():
 
 
 def test_ulp_distance_agrees_with_the_invariance_checks_own():
-    from shardcheck.harness.controller.invariance import ulp_distance as controller_ulps
-    from shardcheck.harness.rank.compare import ulp_distance
+    from shardcheck.harness.controller.commands.invariance import ulp_distance as controller_ulps
+    from shardcheck.harness.rank.checks.compare import ulp_distance
 
     g = torch.Generator().manual_seed(3)
     a = torch.randn(200, generator=g)
@@ -285,7 +285,7 @@ def test_ulp_distance_agrees_with_the_invariance_checks_own():
 
 
 def test_a_value_mismatch_says_how_many_ulps_off_in_the_outputs_dtype():
-    from shardcheck.harness.controller.invariance import ulp_distance as controller_ulps
+    from shardcheck.harness.controller.commands.invariance import ulp_distance as controller_ulps
 
     data = ScenarioData(SC)
     lay = rank_layout(SC, 1, 1)
@@ -301,8 +301,8 @@ def test_a_value_mismatch_says_how_many_ulps_off_in_the_outputs_dtype():
 # -- end to end: the same checks through a run on the session's world (issue 26) -------------------
 def _run_sc(world, target: str):
     """SC (tp 2 x cp 2: the world's four ranks) run once through the harness: its verdict."""
-    from shardcheck.harness.controller import runner
-    from shardcheck.harness.controller.report import SilentReport
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import SilentReport
 
     [verdict] = runner.run([SC], target, reporter=SilentReport(), world=world).verdicts
     return verdict

@@ -5,13 +5,13 @@ definition was checked. The same outputs without the declaration fail."""
 import pytest
 
 from conftest import run_on_world
-from shardcheck.harness.controller.report import definitions_line
+from shardcheck.harness.controller.reports.run_report import definitions_line
 from shardcheck.scenarios.suites import get_suite
-from shardcheck.targets.base import Definitions, definitions
+from shardcheck.targets.base import Definitions, TargetBase, definitions
 
 
 def test_the_default_is_the_references_and_says_nothing():
-    assert definitions(object()).entropy_sign == 1 and Definitions().describe() == {}
+    assert definitions(TargetBase()).entropy_sign == 1 and Definitions().describe() == {}
     assert definitions_line({"name": "builtin"}) is None
     described = Definitions(entropy_sign=-1, entropy_source="a plant").describe()
     assert "sum p log p" in described["entropy"] and "a plant" in described["entropy"]

@@ -23,9 +23,11 @@ import pytest
 import plants
 from conftest import TESTS, alive, descendants
 from shardcheck.cli import build_parser
-from shardcheck.harness.controller import fuzz, memory, runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import SpawnedWorld
+from shardcheck.harness.controller.commands import fuzz
+from shardcheck.harness.controller.worlds import rank_memory as memory
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 from shardcheck.scenarios import Sample, Scenario, get_suite
 
 pytestmark = pytest.mark.world
@@ -64,7 +66,7 @@ def test_a_rank_killed_while_idle_is_named_and_the_next_scenario_runs(world):
 
 
 def runner_table(result) -> str:
-    from shardcheck.harness.controller.report import render_table
+    from shardcheck.harness.controller.reports.run_report import render_table
 
     return render_table(result.verdicts, result.info)
 
@@ -138,7 +140,7 @@ def test_a_malformed_output_is_the_targets_and_names_its_compute(world, plant, s
 def test_the_world_start_is_shown_while_it_happens():
     import io
 
-    from shardcheck.harness.controller.report import TerminalReport
+    from shardcheck.harness.controller.reports.run_report import TerminalReport
 
     err = io.StringIO()
     result = runner.run([SMALL], "builtin", reporter=TerminalReport(out=io.StringIO(), err=err), nproc=2)
@@ -156,8 +158,8 @@ def test_a_controller_killed_during_start_up_leaves_no_rank(tmp_path, when):
     torch; 4, ranks forked and joining the world) or once a scenario is in its report: no
     process outlives it, and what its folders and report files held is removed by the next run
     (each is named after the controller that made it)."""
-    from shardcheck.harness.controller import leftovers
-    from shardcheck.harness.controller.report_file import sweep_beside
+    from shardcheck.harness.controller.worlds import leftovers
+    from shardcheck.harness.controller.reports.report_file import sweep_beside
 
     import shutil
     import tempfile
@@ -263,8 +265,8 @@ def test_a_report_path_that_is_not_a_regular_file_is_refused_and_left_as_it_is(t
 
 
 def test_two_reports_on_one_path_both_work_and_leave_nothing_beside_it(tmp_path):
-    from shardcheck.harness.controller.report import JsonReport
-    from shardcheck.harness.controller.verdict import PASS, Verdict
+    from shardcheck.harness.controller.reports.run_report import JsonReport
+    from shardcheck.harness.controller.reports.verdict import PASS, Verdict
 
     path = tmp_path / "r.json"
     first, second = JsonReport(str(path), {"suite": "a"}), JsonReport(str(path), {"suite": "b"})
@@ -281,7 +283,7 @@ def test_two_reports_on_one_path_both_work_and_leave_nothing_beside_it(tmp_path)
 
 
 def test_both_reports_get_the_umasks_mode(tmp_path, cli_in_process):
-    from shardcheck.harness.controller.report_file import report_mode
+    from shardcheck.harness.controller.reports.report_file import report_mode
 
     (tmp_path / "s.json").write_text(SKIPPED_BY_TP1)
     old = os.umask(0o027)
@@ -300,7 +302,7 @@ def test_both_reports_get_the_umasks_mode(tmp_path, cli_in_process):
 def test_a_report_write_that_fails_is_one_line_exit_2_and_the_run_goes_on(tmp_path, cli_in_process, monkeypatch):
     import errno
 
-    from shardcheck.harness.controller import report
+    from shardcheck.harness.controller.reports import run_report as report
 
     (tmp_path / "s.json").write_text(SKIPPED_BY_TP1)
     real, calls = report._write_all, []
@@ -324,7 +326,7 @@ def test_a_report_write_that_fails_is_one_line_exit_2_and_the_run_goes_on(tmp_pa
 def test_a_session_page_whose_write_fails_keeps_one_line_and_tries_no_more(tmp_path, monkeypatch):
     import errno
 
-    from shardcheck.harness.controller import html_report
+    from shardcheck.harness.controller.reports import html_report
 
     calls = []
 
@@ -352,8 +354,8 @@ def test_hidden_and_reordering_characters_in_names_are_shown_escaped(tmp_path, c
     assert proc.returncode == 0, proc.stderr
     page = (tmp_path / "r.html").read_text()
     assert "\u202e" not in page and "x\\u202egnp.exe" in page
-    from shardcheck.harness.controller.report import render_table, visible
-    from shardcheck.harness.controller.verdict import SKIP, Verdict
+    from shardcheck.harness.controller.reports.run_report import render_table, visible
+    from shardcheck.harness.controller.reports.verdict import SKIP, Verdict
 
     assert visible(name) == "x\\u202egnp.exe" and visible("a\tb\nc") == "a\tb\nc"
     table = render_table([Verdict(Scenario(name, (Sample(6, 2),), vocab=8), SKIP, reason="r")],
@@ -366,8 +368,8 @@ def test_a_newline_in_a_name_is_escaped_in_the_table_the_progress_line_and_the_f
     one line, the newline (and a tab) escaped, everywhere the terminal prints it."""
     import io
 
-    from shardcheck.harness.controller.report import TerminalReport, render_failure, render_table
-    from shardcheck.harness.controller.verdict import FAIL, SKIP, Verdict
+    from shardcheck.harness.controller.reports.run_report import TerminalReport, render_failure, render_table
+    from shardcheck.harness.controller.reports.verdict import FAIL, SKIP, Verdict
 
     sc = Scenario("two\nlines\tand a tab", (Sample(6, 2),), vocab=8)
     shown = "two\\nlines\\tand a tab"
@@ -432,7 +434,7 @@ def test_reading_a_scenario_file_holds_the_scenarios_not_the_document(tmp_path):
 def test_a_run_stopped_early_says_how_many_of_how_many(world):
     import io
 
-    from shardcheck.harness.controller.report import TerminalReport
+    from shardcheck.harness.controller.reports.run_report import TerminalReport
 
     class StopAfterOne(TerminalReport):
         def add(self, verdict):

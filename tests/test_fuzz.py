@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import run_cli, run_on_world
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller import fuzz
+from shardcheck.harness.controller.commands import fuzz
 from shardcheck.scenarios import LAYOUTS, Sample, Scenario, load_scenario_file
 from shardcheck.strategies import (
     boundary_positions,
@@ -265,9 +265,9 @@ def test_an_interrupted_search_writes_the_failure_it_saw_unshrunk_and_says_so(tm
     (the smallest so far, once shrinking) is written where --out says, with the command to rerun it."""
     import io
 
-    from shardcheck.harness.controller.fuzz import Event
-    from shardcheck.harness.controller.fuzz_report import Progress, write_unshrunk
-    from shardcheck.harness.controller.verdict import Verdict
+    from shardcheck.harness.controller.commands.fuzz import Event
+    from shardcheck.harness.controller.reports.fuzz_report import Progress, write_unshrunk
+    from shardcheck.harness.controller.reports.verdict import Verdict
     from shardcheck.scenarios import Sample, Scenario
     from shardcheck.scenarios.suites import load_scenario_file
 

@@ -1,4 +1,4 @@
-"""harness/rank/groups.py: megatron-core's layouts built once per world and switched back from
+"""harness/rank/plumbing/groups.py: megatron-core's layouts built once per world and switched back from
 its cache exactly as megatron built them, and reset() putting every module global back.
 
 Each check runs in a child process on torch's fake process group (a world of 8 in one process,
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardcheck.harness.rank import groups
+from shardcheck.harness.rank.plumbing import groups
 
 def state(module):
     return {k: v for k, v in vars(module).items()

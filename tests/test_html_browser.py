@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_on_world
-from shardcheck.harness.controller.html_report import render, write
+from shardcheck.harness.controller.reports.html_report import render, write
 from shardcheck.scenarios import Sample, Scenario, get_suite
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from conftest import run_on_world
-from shardcheck.harness.controller.html_report import render
+from shardcheck.harness.controller.reports.html_report import render
 from shardcheck.scenarios import get_suite
 
 HANG = [s for s in get_suite("regressions") if s.name == "ag-empty-local-slices"]
@@ -54,7 +54,7 @@ def test_the_command_renders_a_saved_report_as_the_run_did(hang_report, tmp_path
 def test_a_real_report_reads_back_as_it_was_written(hang_report):
     """Verdict.from_dict and RunInfo.from_dict on a run's report (a hang: traces, the lanes'
     details): written again, each gives the same JSON."""
-    from shardcheck.harness.controller.report_file import SavedReport
+    from shardcheck.harness.controller.reports.report_file import SavedReport
 
     saved = SavedReport.from_dict(hang_report)
     assert [json.loads(json.dumps(v.to_dict(), default=str)) for v in saved.verdicts] == hang_report["scenarios"]
@@ -102,7 +102,7 @@ def test_the_error_map_marks_the_failing_token(world, tmp_path):
 def test_an_invariance_report_shows_its_matrix(world, tmp_path, cli_in_process):
     """builtin:packing_dependent breaks the packing axis only: that row is marked, the message
     listed; the saved JSON renders the same page through ``shardcheck report``."""
-    from shardcheck.harness.controller.invariance import check_invariance
+    from shardcheck.harness.controller.commands.invariance import check_invariance
 
     sc = [s for s in get_suite("regressions") if s.name == "thd-tp2-chunks"]
     result = check_invariance(sc, "builtin:packing_dependent", axes=["rerun", "packing"], world=world)
@@ -118,8 +118,8 @@ def test_an_invariance_report_shows_its_matrix(world, tmp_path, cli_in_process):
 
 @pytest.mark.world
 def test_a_search_draws_its_minimal_failure(world2):
-    from shardcheck.harness.controller import fuzz
-    from shardcheck.harness.controller.html_report import fuzz_page
+    from shardcheck.harness.controller.commands import fuzz
+    from shardcheck.harness.controller.reports.html_report import fuzz_page
 
     result = fuzz.fuzz("builtin:skip_empty_rank", max_examples=40, seed=2, tp=(1,), cp=(2,), layouts=["allgather"],
                        world=world2, database=None)

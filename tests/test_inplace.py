@@ -6,9 +6,9 @@ import inspect
 import pytest
 import torch
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.rank.inplace import InputGuard, _changed
-from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.rank.checks.inplace import InputGuard, _changed
+from shardcheck.harness.controller.reports.run_report import SilentReport
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.targets import mutants
 
@@ -174,7 +174,7 @@ def test_logits_divided_in_place_are_named_where_and_at_which_element(world):
 @pytest.mark.world
 def test_without_the_input_check_the_rest_is_still_checked_and_the_report_says_so(world):
     """run --no-inplace: a target known to write into its logits is still held to its values."""
-    from shardcheck.harness.controller.report import render_table
+    from shardcheck.harness.controller.reports.run_report import render_table
 
     sc = get_suite("regressions")[2]
     result = runner.run([sc], "builtin:inplace_temperature", reporter=SilentReport(), world=world, inplace=False)
@@ -214,8 +214,8 @@ def test_tokens_and_policy_inputs_are_watched_and_a_harmless_write_is_allowed(wo
 
 
 def test_a_change_that_does_not_repeat_when_explained_says_so():
-    from shardcheck.harness.controller.runner import _explained, _unexplained
-    from shardcheck.harness.controller.verdict import Failure, Verdict
+    from shardcheck.harness.controller.commands.runner import _explained, _unexplained
+    from shardcheck.harness.controller.reports.verdict import Failure, Verdict
     from shardcheck.harness.wire import EXPLAIN
 
     sc = Scenario("x", (Sample(5, 2),), vocab=4)

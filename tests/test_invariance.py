@@ -14,7 +14,7 @@ import torch
 
 from shardcheck.cli import main
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller.invariance import (AXES, Expect, check_invariance, difference, parse_expect, ulp_distance,
+from shardcheck.harness.controller.commands.invariance import (AXES, Expect, check_invariance, difference, parse_expect, ulp_distance,
                                            variants)
 from shardcheck.pytest_plugin import ShardcheckSession
 from shardcheck.scenarios import Sample, Scenario
@@ -126,8 +126,8 @@ def test_builtin_meets_its_declared_contract(world):
 
 @pytest.mark.world
 def test_packing_dependent_passes_run_and_breaks_packing_only(world):
-    from shardcheck.harness.controller import runner
-    from shardcheck.harness.controller.report import SilentReport
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import SilentReport
 
     # run passes it: its own path (a call holding one sample) is within tolerance, each sample alone
     # in each base's layout, and packed it is the builtin

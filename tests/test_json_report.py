@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from shardcheck.harness.controller.report import JsonReport, suite_order
-from shardcheck.harness.controller.verdict import FAIL, PASS, SKIP, Failure, RunInfo, Verdict
+from shardcheck.harness.controller.reports.run_report import JsonReport, suite_order
+from shardcheck.harness.controller.reports.verdict import FAIL, PASS, SKIP, Failure, RunInfo, Verdict
 from shardcheck.scenarios import Sample, Scenario
 
 
@@ -181,7 +181,7 @@ def test_a_verdict_placed_before_many_others_replaces_the_file_whole(tmp_path):
 def test_a_written_report_reads_back_as_the_verdicts_and_info_that_wrote_it(tmp_path):
     """SavedReport.from_dict is the writer's inverse: every status, failures with details,
     traces, skips; what JSON itself changes (a set written as text) stays as the file has it."""
-    from shardcheck.harness.controller.report_file import read_report
+    from shardcheck.harness.controller.reports.report_file import read_report
 
     suite = _suite(10)
     path = tmp_path / "r.json"

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.world
 def _killed_run(tmp_path, sig):
     """The CLI killed with ``sig`` three scenarios in, and what it left (the checks raise here,
     in the background, and the test re-raises them)."""
-    from shardcheck.harness.controller import leftovers
+    from shardcheck.harness.controller.worlds import leftovers
 
     report, temp = tmp_path / "r.json", tmp_path / ("long-" * 12)
     temp.mkdir()

@@ -1,4 +1,4 @@
-"""What a world may ask of the machine (harness/controller/limits.py, machine.py, scenario_memory.py): ranks against cores and
+"""What a world may ask of the machine (harness/controller/worlds/limits.py, machine.py, scenario_memory.py): ranks against cores and
 memory, a scenario's memory estimate against what is available, the timeout against what torch
 and the OS accept. Each refusal is one line, exit status 2, before any world starts
 (``cli_in_process`` fails the test if one starts)."""
@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller import limits, scenario_memory
-from shardcheck.harness.controller import machine as host
-from shardcheck.harness.controller.machine import GiB, MiB, Machine
-from shardcheck.harness.controller.scenario_memory import scenario_bytes
+from shardcheck.harness.controller.worlds import limits
+from shardcheck.harness.controller.worlds import memory_estimate as scenario_memory
+from shardcheck.harness.controller.worlds import machine as host
+from shardcheck.harness.controller.worlds.machine import GiB, MiB, Machine
+from shardcheck.harness.controller.worlds.memory_estimate import scenario_bytes
 from shardcheck.scenarios import Scenario, get_suite
 from shardcheck.scenarios.suites import SUITES
 
@@ -49,7 +50,7 @@ def machine(monkeypatch):
 @pytest.fixture
 def runs(monkeypatch):
     """``runner.run`` replaced by a recorder: a command that gets past every check stops there."""
-    from shardcheck.harness.controller import runner
+    from shardcheck.harness.controller.commands import runner
 
     seen = []
 
@@ -227,7 +228,7 @@ def _all_suite_scenarios():
 def test_pieces_are_the_layouts():
     """The estimate's rows are the rows a rank really holds and scores."""
     from shardcheck.scenarios.layout import rank_layout
-    from shardcheck.harness.rank import shard
+    from shardcheck.harness.rank.life import shard
 
     odd = Scenario("odd", ((37, 20), (5, 2), (130, 65)), vocab=8, cp=3, layout="zigzag")
     for sc in [*_all_suite_scenarios(), odd, Scenario("odd-ag", odd.samples, vocab=8, cp=3, tp=2, layout="allgather")]:
@@ -334,7 +335,7 @@ def test_invariance_counts_its_variants_and_what_the_controller_keeps(cli_in_pro
                            "scenario 'big-vocab' needs about", "over its invariance variants",
                            "the controller keeps of their gradients")
     assert "for 4 ranks" in line  # invariance's world: at least 4
-    from shardcheck.harness.controller.invariance import AXES
+    from shardcheck.harness.controller.commands.invariance import AXES
 
     limits.check_invariance_world(get_suite("smoke"), list(AXES), None, machine=machine)
     limits.check_invariance_world([Scenario.from_dict(BIG_VOCAB)], list(AXES), None, machine=machine,
@@ -396,7 +397,7 @@ def test_the_largest_timeout_is_taken(cli_in_process, runs):
 @pytest.mark.world
 def test_a_world_runs_at_the_largest_timeout():
     """End to end at the bound: the store, gloo, megatron's groups and the controller's waits."""
-    from shardcheck.harness.controller.world import SpawnedWorld
+    from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
 
     [sc] = [s for s in get_suite("smoke") if s.name == "thd-tp1cp1-basic"]
     with SpawnedWorld(1, timeout=limits.MAX_TIMEOUT_S) as w:

@@ -6,8 +6,8 @@ Over 20 s: every mutant runs its scenarios of the regressions suite (30 tests).
 import pytest
 
 from plants import ROUTES
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.targets.mutants import MUTANTS
 

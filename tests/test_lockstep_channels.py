@@ -9,9 +9,9 @@ import pytest
 import torch.distributed as dist
 
 from conftest import at_once
-from shardcheck.harness.rank import board
-from shardcheck.harness.rank.lockstep import CollectiveMismatch, Lockstep, PeerStopped
-from shardcheck.harness.rank.trace import Call
+from shardcheck.harness.rank.plumbing import board
+from shardcheck.harness.rank.checks.lockstep import CollectiveMismatch, Lockstep, PeerStopped
+from shardcheck.harness.rank.plumbing.trace import Call
 
 
 def _call(shape: int, number: int = 0, ranks: tuple[int, ...] = (0, 1)) -> Call:

@@ -7,12 +7,12 @@ import pytest
 import torch.distributed as dist
 
 from conftest import at_once
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.rank.arrivals import agree_key
-from shardcheck.harness.rank.lockstep import CollectiveMismatch, Lockstep, call_key
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.rank.plumbing.arrivals import agree_key
+from shardcheck.harness.rank.checks.lockstep import CollectiveMismatch, Lockstep, call_key
 from shardcheck.harness.wire import status_key
-from shardcheck.harness.rank.trace import Call
+from shardcheck.harness.rank.plumbing.trace import Call
 from shardcheck.scenarios import Sample, Scenario
 
 

@@ -5,9 +5,9 @@ builtin's traced data path caught end to end (issue 36)."""
 import pytest
 import torch
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.rank.model_inputs import check_model_inputs
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.rank.life.model_inputs import check_model_inputs
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios.layout import rank_layout
 
@@ -67,7 +67,7 @@ def test_each_planted_model_input_bug_is_a_layout_mismatch(world, variant, scena
 
 
 def test_no_script_is_offered_for_what_a_script_does_not_look_for():
-    from shardcheck.harness.controller.repro import kinds_refusal
+    from shardcheck.harness.controller.commands.repro import kinds_refusal
 
     assert kinds_refusal(["layout_mismatch"]) == "a script does not look for layout_mismatch yet"
     assert kinds_refusal(["mask_leak", "layout_mismatch"]) is not None

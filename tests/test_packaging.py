@@ -23,7 +23,7 @@ def test_wheel_holds_only_the_shardcheck_namespace(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"shardcheck", next(t for t in tops if t.endswith(".dist-info"))}, tops
     for module in ("reference/truth.py", "scenarios/scenario.py", "harness/wire.py", "harness/rank/main.py",
-                   "harness/controller/world.py", "targets/builtin.py",
+                   "harness/controller/worlds/spawned.py", "targets/builtin.py",
                    "cli.py", "__main__.py"):
         assert f"shardcheck/{module}" in names
     meta = zipfile.ZipFile(wheel)

@@ -4,9 +4,9 @@ log-probs and loss masks, and the harness checks its loss value and its gradient
 import pytest
 import torch
 
-from shardcheck.harness.controller import runner
-from shardcheck.harness.rank import shard
-from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.rank.life import shard
+from shardcheck.harness.controller.reports.run_report import SilentReport
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios.data import ScenarioData

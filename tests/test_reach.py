@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import run_on_world
-from shardcheck.harness.controller.reach_report import Reach, _functions
+from shardcheck.harness.controller.reports.reach_report import Reach, _functions
 from shardcheck.scenarios import Sample, Scenario
 
 
@@ -34,7 +34,7 @@ def test_a_run_says_which_framework_functions_ran(tmp_path, world):
     assert "builtin.py:BuiltinTarget._allgather" in files["builtin.py"]["not_reached"]
     assert 0 < files["builtin.py"]["percent"] < 100
     assert "framework code reached (--coverage" in run.stdout and "not reached:" in run.stdout
-    from shardcheck.harness.controller.html_report import render
+    from shardcheck.harness.controller.reports.html_report import render
 
     page = render(run.report)
     assert "Framework code reached" in page and "BuiltinTarget.compute" in page
@@ -53,7 +53,7 @@ def test_coverage_needs_a_target_with_framework_files(cli_in_process):
 def test_a_step_target_also_measures_megatron_cores_schedule_and_ddp(tmp_path):
     """For a loss that runs in a training step, megatron-core's schedule and DDP modules are
     measured too (named megatron-core/...), and their functions named from the installed files."""
-    from shardcheck.harness.rank.reach import STEP_FILES, step_files
+    from shardcheck.harness.rank.life.reach import STEP_FILES, step_files
     from shardcheck.targets import resolve
 
     files = step_files(resolve("builtin:loss"))

@@ -5,8 +5,8 @@ apply them is skipped with the reason."""
 import pytest
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
 from shardcheck.scenarios import Sample, Scenario
 
 REPLAY = Scenario("replay", (Sample(14, 9), Sample(11, 6, 7)), vocab=12, replay_keep=True, entropy_coef=0.2,

@@ -8,10 +8,10 @@ import re
 import pytest
 
 from shardcheck.cli import bisect_state, main
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.bisect import Step
-from shardcheck.harness.controller.report import JsonReport, SilentReport, _target_line, render_table
-from shardcheck.harness.controller.verdict import Failure, RunInfo, Verdict
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.commands.bisect import Step
+from shardcheck.harness.controller.reports.run_report import JsonReport, SilentReport, _target_line, render_table
+from shardcheck.harness.controller.reports.verdict import Failure, RunInfo, Verdict
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios import regressions as regressions_module
 from shardcheck.targets import available
@@ -173,7 +173,7 @@ def test_the_slime_adapter_undoes_what_its_import_set():
 
 
 def test_the_controller_resolves_a_target_once_per_setting(monkeypatch):
-    from shardcheck.harness.controller.runner import controller_target
+    from shardcheck.harness.controller.commands.runner import controller_target
 
     first = controller_target("builtin:packing_dependent")
     assert controller_target("builtin:packing_dependent") is first

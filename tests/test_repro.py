@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import torch_only_python
-from shardcheck.harness.controller import repro
+from shardcheck.harness.controller.commands import repro
 from shardcheck.scenarios import get_suite
 from shardcheck.targets import resolve
 
@@ -85,7 +85,7 @@ def test_the_script_finds_each_kind_with_torch_alone(kind, background):
     assert found.returncode == 1, found.stdout + found.stderr
     assert found.stdout.startswith("FOUND") and says in found.stdout, found.stdout
     if kind == "input changed in place":  # the line that wrote: the mutant's logits.div_(t)
-        line = next(n for n, text in enumerate(Path(repro.__file__).parents[2].joinpath(
+        line = next(n for n, text in enumerate(Path(repro.__file__).parents[3].joinpath(
             "targets", "mutants.py").read_text().splitlines(), 1) if "inputs.logits.div_(" in text)
         assert f"targets/mutants.py:{line})" in found.stdout, found.stdout
     assert done[kind]["same_program"], "with --variant none, the scripts of one scenario are one program"
@@ -153,9 +153,9 @@ def test_a_report_without_that_failure_and_a_file_in_the_way_are_refused(tmp_pat
 def test_a_run_fuzz_and_simulate_offer_the_command_where_a_script_can_be_written():
     """Under each failure shardcheck run shows (RunInfo.repro, set where the target has a repro
     call), and for fuzz's and simulate's minimal scenario; not for a scenario repro refuses."""
-    from shardcheck.harness.controller.fuzz_report import repro_offer
-    from shardcheck.harness.controller.report import render_table
-    from shardcheck.harness.controller.verdict import RunInfo, Verdict
+    from shardcheck.harness.controller.reports.fuzz_report import repro_offer
+    from shardcheck.harness.controller.reports.run_report import render_table
+    from shardcheck.harness.controller.reports.verdict import RunInfo, Verdict
     from shardcheck.harness.wire import Failure
 
     plain, replayed = (next(s for s in get_suite("smoke") if s.name == n) for n in ("thd-tp2cp1-basic", "thd-tp2cp1-replay"))
@@ -174,7 +174,7 @@ def test_a_run_fuzz_and_simulate_offer_the_command_where_a_script_can_be_written
 
 
 def test_the_html_page_offers_the_command_beside_the_replay():
-    from shardcheck.harness.controller.html_report import render
+    from shardcheck.harness.controller.reports.html_report import render
 
     plain, replayed = (next(s for s in get_suite("smoke") if s.name == n) for n in ("thd-tp2cp1-basic", "thd-tp2cp1-replay"))
     entries = [{"name": sc.name, "verdict": "fail", "failures": [{"kind": "value_mismatch", "message": "off"}],
@@ -207,7 +207,7 @@ def test_the_scripts_deadline_follows_progress(monkeypatch, tmp_path):
     import multiprocessing
     import time
 
-    from shardcheck.harness.controller import repro_script
+    from shardcheck.harness.controller.commands import repro_script
 
     monkeypatch.setattr(repro_script, "TIMEOUT_S", 0.6)
     monkeypatch.setattr(repro_script, "GIVE_UP_S", 30.0)

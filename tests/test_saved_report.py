@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shardcheck.harness.controller.report_file import SavedReport
+from shardcheck.harness.controller.reports.report_file import SavedReport
 
 # A report as the first shardcheck wrote it (b0f451f): the run info was target, target_spec,
 # ranks and backend; an entry had no layouts, traces or layout_built_by; a failure no phase; the

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shardcheck.harness.rank import shard
+from shardcheck.harness.rank.life import shard
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios import Sample, Scenario
 from shardcheck.scenarios.data import BLOCK_ROWS, ScenarioData

@@ -33,8 +33,8 @@ def test_the_rank_side_and_the_shared_modules_never_import_the_controller_side()
 
 def test_the_check_sees_an_import_of_the_controller(tmp_path):
     bad = tmp_path / "x.py"
-    bad.write_text("def f():\n    from shardcheck.harness.controller.world import SpawnedWorld\n")
-    assert "shardcheck.harness.controller.world" in _imports(bad)
+    bad.write_text("def f():\n    from shardcheck.harness.controller.worlds.spawned import SpawnedWorld\n")
+    assert "shardcheck.harness.controller.worlds.spawned" in _imports(bad)
 
 
 def test_the_wire_is_the_only_result_type():
@@ -52,7 +52,8 @@ FLOORS = [
     ("shardcheck.errors", 0),  # one-line errors, the version: everyone may raise and say them
     ("shardcheck.scenarios", 1),  # what is checked: scenarios, their data, layouts, suites, strategies
     ("shardcheck.reference", 2),  # the float64 truth
-    ("shardcheck.harness.wire", 3), ("shardcheck.harness.backend", 3), ("shardcheck.harness.traced_layout", 3),
+    # the wire both sides share, and what a run is configured with (targets read both)
+    ("shardcheck.harness.wire", 3), ("shardcheck.backend", 3), ("shardcheck.run_config", 3),
     ("shardcheck.targets", 4),  # the target contract and the adapters
     ("shardcheck.harness.rank", 5),  # a rank: runs a target, checks it
     ("shardcheck.harness.controller", 6),  # drives worlds, verdicts, reports
@@ -146,7 +147,7 @@ def test_no_module_imports_one_on_a_higher_floor_and_there_is_no_circle():
 
 
 def test_the_graph_check_sees_an_import_up_and_a_circle():
-    graph = {"shardcheck.scenarios.a": {"shardcheck.harness.controller.world"},
+    graph = {"shardcheck.scenarios.a": {"shardcheck.harness.controller.worlds.spawned"},
              "shardcheck.targets.x": {"shardcheck.targets.y"}, "shardcheck.targets.y": {"shardcheck.targets.x"}}
-    assert _upward(graph) == ["shardcheck.scenarios.a (floor 1) imports shardcheck.harness.controller.world (floor 6)"]
+    assert _upward(graph) == ["shardcheck.scenarios.a (floor 1) imports shardcheck.harness.controller.worlds.spawned (floor 6)"]
     assert _circles(graph) == [["shardcheck.targets.x", "shardcheck.targets.y"]]

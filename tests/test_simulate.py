@@ -13,11 +13,11 @@ import sys
 import pytest
 
 from conftest import run_cli
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.fake import FakeWorld
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.rank.symmetry import first_divergence
-from shardcheck.harness.rank.trace import Call
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.worlds.simulated import FakeWorld
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.rank.checks.symmetry import first_divergence
+from shardcheck.harness.rank.plumbing.trace import Call
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.targets.mutants import MUTANTS
 
@@ -102,7 +102,7 @@ def test_the_search_finds_shrinks_and_replays_on_a_real_world(background):
 
 def test_the_search_finds_nothing_in_builtin(fake):
     """The search's API on the module's simulated world (the command is the same search)."""
-    from shardcheck.harness.controller import fuzz
+    from shardcheck.harness.controller.commands import fuzz
 
     clean = fuzz.fuzz("builtin", tp=(1, 2), cp=(2, 4, 8), max_examples=20, seed=1, world=fake, database=None,
                       max_ranks=fake.nproc)
@@ -133,7 +133,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from megatron.core import parallel_state as ps
-from shardcheck.harness.rank import groups
+from shardcheck.harness.rank.plumbing import groups
 
 def value(v):
     if v is c10d.GroupMember.NON_GROUP_MEMBER:
@@ -228,8 +228,8 @@ def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target(t
     assert v.status == "timeout" and result.exit_code == 3, [(f.kind, f.message) for f in v.failures]
     assert "simulated rank 0 gave no result within 2s" in v.failures[0].message
     assert "for a CPU" in v.failures[0].message
-    from shardcheck.harness.controller.html_report import write_verdicts
-    from shardcheck.harness.controller.report import render_table
+    from shardcheck.harness.controller.reports.html_report import write_verdicts
+    from shardcheck.harness.controller.reports.run_report import render_table
 
     assert "0 failed, 0 skipped, 1 timed out (the machine was too slow" in render_table([v], result.info)
     write_verdicts(str(tmp_path / "p.html"), {"summary": {"timeout": 1, "total": 1}}, [v], lambda _: 0)

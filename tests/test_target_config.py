@@ -5,8 +5,8 @@ code (tp 1, cp 1) finding something to check in every built-in suite."""
 import pytest
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
 from shardcheck.scenarios import SUITES, get_suite
 from shardcheck.targets import TargetConfig, resolve
 from shardcheck.targets.base import OPTS_ENV

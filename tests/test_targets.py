@@ -97,8 +97,8 @@ def test_a_target_written_before_release_existed_still_runs_with_a_notice(world)
     lacks (tests/test_contract.py runs plugins of three earlier contracts as installed packages)."""
     import warnings
 
-    from shardcheck.harness.controller import runner
-    from shardcheck.harness.controller.report import SilentReport
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import SilentReport
     from shardcheck.targets import resolve
 
     spec = "test_targets:last_months_target"

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import run_cli, run_on_world, write_scenarios
-from shardcheck.harness.controller.layout_check import coverage_failures
+from shardcheck.harness.controller.reports.layout_check import coverage_failures
 from shardcheck.scenarios.layout import rank_layout
-from shardcheck.harness.rank.data_path import layout_payload
-from shardcheck.harness.traced_layout import NotAPosition, decode, encoded_tokens, harness_local_tokens, row_map
+from shardcheck.harness.rank.life.data_path import layout_payload
+from shardcheck.scenarios.traced_layout import NotAPosition, decode, encoded_tokens, harness_local_tokens, row_map
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios.suites import SUITES
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.rank.compare import Tolerance, clean_factor, factor_names, scale_of
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.rank.checks.compare import Tolerance, clean_factor, factor_names, scale_of
 from shardcheck.scenarios import Sample, Scenario, get_suite
 from shardcheck.scenarios.data import ScenarioData
 

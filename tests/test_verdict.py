@@ -4,9 +4,9 @@ reaches it."""
 
 import torch
 
-from shardcheck.harness.controller.verdict import FAIL, PASS, TIMED_OUT, merge
-from shardcheck.harness.rank.data_path import layout_payload
-from shardcheck.harness.traced_layout import decode
+from shardcheck.harness.controller.reports.verdict import FAIL, PASS, TIMED_OUT, merge
+from shardcheck.harness.rank.life.data_path import layout_payload
+from shardcheck.scenarios.traced_layout import decode
 from shardcheck.harness.wire import Failure, RankResult
 from shardcheck.scenarios import Sample, Scenario
 

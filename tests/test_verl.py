@@ -621,7 +621,7 @@ PR_6267 = "b916f6036"  # "[megatron] fix: fix bugs when using position_ids in cp
 def test_position_ids_handed_to_the_model_under_cp_fixed_at_6267(tmp_path):
     """Before #6267 preprocess_thd_engine gave the rows of a zigzag CP rank's second chunk position
     ids that are not their positions (they started past the chunk's start). What the model is
-    handed is checked against the learned layout (harness/rank/model_inputs.py): a
+    handed is checked against the learned layout (harness/rank/life/model_inputs.py): a
     layout_mismatch naming the rows at the parent, nothing at the fix."""
     repo = _repo_with(PR_6267)
     args = ["run", "--target", "verl:actor", "--suite", "smoke", "--scenario", "zigzag-tp1cp2-basic", "--no-inplace"]

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from conftest import parent_pid
-from shardcheck.harness.controller import runner
-from shardcheck.harness.controller.report import SilentReport
-from shardcheck.harness.controller.world import SpawnedWorld, _rank_environment, _start_context
+from shardcheck.harness.controller.commands import runner
+from shardcheck.harness.controller.reports.run_report import SilentReport
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld, _rank_environment, _start_context
 from shardcheck.scenarios import Sample, Scenario
 
 pytestmark = pytest.mark.world
@@ -55,7 +55,7 @@ def test_a_spawned_world_runs_as_a_forked_one(monkeypatch):
 
 MEGATRON_PROBE = (
     "import sys, torch\n"
-    "from shardcheck.harness.rank.megatron_core import load_parallel_state\n"
+    "from shardcheck.harness.rank.plumbing.megatron_core import load_parallel_state\n"
     "ps = load_parallel_state()\n"
     "import megatron.core.parallel_state as again\n"
     "print(again is ps, ps.__file__.endswith('megatron/core/parallel_state.py'),\n"
@@ -94,8 +94,8 @@ def test_a_rank_imports_parallel_state_and_not_the_rest_of_megatron_core_until_a
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
 def test_every_gloo_group_of_a_rank_shares_one_event_loop_unless_asked_not_to(monkeypatch):
     """torch gives each gloo group a device whose loop thread wakes every 10 ms; megatron builds
-    about 17 groups a layout. The harness's ranks share one device (harness/rank/gloo_device.py)."""
-    from shardcheck.harness.rank.gloo_device import ENV, loop_threads
+    about 17 groups a layout. The harness's ranks share one device (harness/rank/plumbing/gloo_device.py)."""
+    from shardcheck.harness.rank.plumbing.gloo_device import ENV, loop_threads
 
     monkeypatch.delenv(ENV, raising=False)
     with SpawnedWorld(2, timeout=30) as world:

@@ -4,10 +4,10 @@ world_for is where every command gets its world (nothing starts until it is used
 import pytest
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller.fake import FakeWorld
-from shardcheck.harness.controller.joined import LAUNCHER_ENV, JoinedWorld
-from shardcheck.harness.controller.world import SpawnedWorld
-from shardcheck.harness.controller.worlds import World, world_for
+from shardcheck.harness.controller.worlds.simulated import FakeWorld
+from shardcheck.harness.controller.worlds.joined import LAUNCHER_ENV, JoinedWorld
+from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
+from shardcheck.harness.controller.worlds.choice import World, world_for
 
 
 def test_the_three_worlds_meet_the_protocol(monkeypatch):

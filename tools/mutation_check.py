@@ -88,26 +88,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_reference.py", "tests/test_compare.py"),
         "the truth's gradient leaves the softmax term undivided by the temperature"),
     Mutation(
-        "policy-old-log-probs-from-entropy", "reference", "harness/rank/shard.py",
+        "policy-old-log-probs-from-entropy", "reference", "harness/rank/life/shard.py",
         "truth, _ = share_truth(data, layout)",
         "_, truth = share_truth(data, layout)",
         ("tests/test_shard.py", "tests/test_policy_loss.py"),
         "the policy batch's old log-probs are the truth's entropies (the ratio is not 1)"),
     # -- comparison --------------------------------------------------------------------------
     Mutation(
-        "compare-nan-passes", "comparison", "harness/rank/compare.py",
+        "compare-nan-passes", "comparison", "harness/rank/checks/compare.py",
         "close = (got - want).abs() <= tol.atol + tol.rtol * want.abs()",
         "close = ~((got - want).abs() > tol.atol + tol.rtol * want.abs())",
         ("tests/test_compare.py",),
         "NaN is taken as close (NaN > tol is False)"),
     Mutation(
-        "compare-last-output-skipped", "comparison", "harness/rank/compare.py",
+        "compare-last-output-skipped", "comparison", "harness/rank/checks/compare.py",
         "bad = mismatch_mask(got, want, tol).nonzero().flatten().tolist()",
         "bad = mismatch_mask(got[:-1], want[:-1], tol).nonzero().flatten().tolist()",
         ("tests/test_compare.py",),
         "a rank's last output value is never compared (off by one)"),
     Mutation(
-        "compare-grad-columns-from-zero", "comparison", "harness/rank/compare.py",
+        "compare-grad-columns-from-zero", "comparison", "harness/rank/checks/compare.py",
         "columns=slice(*layout.columns)",
         "columns=slice(0, layout.columns[1] - layout.columns[0])",
         ("tests/test_compare.py",),
@@ -133,19 +133,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the row scoring response token 0 (row prompt - 1) counts as unscored"),
     # -- trace (the collective trace and the lockstep check) ------------------------------------
     Mutation(
-        "reduce-op-not-fingerprinted", "trace", "harness/rank/trace.py",
+        "reduce-op-not-fingerprinted", "trace", "harness/rank/plumbing/trace.py",
         "return (self.op, tuple(map(tuple, self.shapes)), self.dtype, self.reduce_op, self.root, self.phase,",
         "return (self.op, tuple(map(tuple, self.shapes)), self.dtype, self.root, self.phase,",
         ("tests/test_lockstep_channels.py", "tests/test_lockstep.py"),
         "the lockstep's digest leaves out the reduce op: MAX against SUM goes on"),
     Mutation(
-        "backward-calls-traced-as-forward", "trace", "harness/rank/trace.py",
+        "backward-calls-traced-as-forward", "trace", "harness/rank/plumbing/trace.py",
         'phase = "backward" if node is not None else "forward"',
         'phase = "forward"',
         ("tests/test_lockstep.py", "tests/test_reports.py"),
         "every collective is recorded in the forward phase"),
     Mutation(
-        "late-peer-taken-as-agreeing", "trace", "harness/rank/arrivals.py",
+        "late-peer-taken-as-agreeing", "trace", "harness/rank/plumbing/arrivals.py",
         "if all(s == code or s == board_mod.AHEAD for s in said):",
         "if all(s in (code, board_mod.AHEAD, None) for s in said):",
         # the whole of test_lockstep.py would wait out a deadline per divergent call
@@ -155,45 +155,45 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a peer that has not arrived yet reads as agreeing on the board: the call goes on unchecked"),
     # -- in-place ----------------------------------------------------------------------------
     Mutation(
-        "backward-inputs-not-checked", "in-place", "harness/rank/inplace.py",
+        "backward-inputs-not-checked", "in-place", "harness/rank/checks/inplace.py",
         'life.found += self.guard.check("backward")',
         "pass",
         ("tests/test_inplace.py", "tests/test_lockstep.py::test_every_mutant_is_caught_with_its_kind_and_phase"),
         "the inputs and fed gradients are not compared again after the backward"),
     Mutation(
-        "inplace-reported-in-every-phase", "in-place", "harness/rank/inplace.py",
+        "inplace-reported-in-every-phase", "in-place", "harness/rank/checks/inplace.py",
         "            if w.found_in is not None:\n                continue\n",
         "",
         ("tests/test_inplace.py",),
         "a tensor changed in the forward is reported again after the backward"),
     # -- invariance --------------------------------------------------------------------------
     Mutation(
-        "one-ulp-counted-as-equal", "invariance", "harness/controller/invariance.py",
+        "one-ulp-counted-as-equal", "invariance", "harness/controller/commands/invariance.py",
         "count = int((ulp > 0).sum())",
         "count = int((ulp > 1).sum())",
         ("tests/test_invariance.py",),
         "a difference of one ulp counts as bitwise equal"),
     Mutation(
-        "worst-difference-at-argmin", "invariance", "harness/controller/invariance.py",
+        "worst-difference-at-argmin", "invariance", "harness/controller/commands/invariance.py",
         "k = int(ulp.reshape(-1).argmax())",
         "k = int(ulp.reshape(-1).argmin())",
         ("tests/test_invariance.py",),
         "the difference reported is at the closest element, not the farthest"),
     # -- verdict -----------------------------------------------------------------------------
     Mutation(
-        "merged-ranks-overwritten", "verdict", "harness/controller/verdict.py",
+        "merged-ranks-overwritten", "verdict", "harness/controller/reports/verdict.py",
         "m.ranks = sorted(set(m.ranks) | set(f.ranks))",
         "m.ranks = sorted(set(f.ranks))",
         ("tests/test_reports.py", "tests/test_faults.py::test_a_malformed_output_is_the_targets_and_names_its_compute"),
         "a finding every rank made names only the last rank merged"),
     Mutation(
-        "layout-coverage-dropped", "verdict", "harness/controller/verdict.py",
+        "layout-coverage-dropped", "verdict", "harness/controller/reports/verdict.py",
         "for res in [*results, RankResult(-1, None, coverage_failures(scenario, layouts))]:",
         "for res in results:",
         ("tests/test_traced_layout.py", "tests/test_verdict.py"),
         "the layout_mismatch findings about all ranks' rows together never reach the verdict"),
     Mutation(
-        "any-timeout-is-timed-out", "verdict", "harness/controller/verdict.py",
+        "any-timeout-is-timed-out", "verdict", "harness/controller/reports/verdict.py",
         'if any(f.kind == TIMEOUT for f in failures) and all(\n'
         '            f.kind == TIMEOUT or "waited_for" in f.details for f in failures):',
         "if any(f.kind == TIMEOUT for f in failures):",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: a rank arms its parent-death signal before anything else
     from shardcheck.harness.wire import Checks, RankResult
-    from shardcheck.harness.run_config import RunConfig
+    from shardcheck.run_config import RunConfig
 
 
 def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: dict[str, Any]) -> None:
@@ -55,8 +55,8 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         import torch
         import torch.distributed as dist
 
-        from shardcheck.harness.backend import process_group_backend, rank_device
-        from shardcheck.harness.rank import gloo_device
+        from shardcheck.backend import process_group_backend, rank_device
+        from shardcheck.harness.rank.plumbing import gloo_device
 
         torch.set_num_threads(1)
         backend = options.get("backend", "gloo")
@@ -86,7 +86,7 @@ def rank_main(rank: int, world_size: int, store_port: int, conn: Any, options: d
         if name == wire.RUN:
             from contextlib import nullcontext
 
-            from shardcheck.harness.run_config import RunConfig, in_effect
+            from shardcheck.run_config import RunConfig, in_effect
 
             checks = wire.Checks.from_wire(kwargs["checks"])
             wire.apply_settings(kwargs.get("settings", {}))
@@ -106,18 +106,19 @@ def prepare(rank: int, world_size: int, store_host: str, store_port: int, option
     """Ready this process, already in the default process group, to run scenarios: group
     timeouts, megatron's import, the collective trace and the lockstep check (over the store at
     ``store_host:store_port``). Used by the controller's ranks and by a joined world (torchrun) alike."""
-    from shardcheck.harness.rank import groups, trace
+    from shardcheck.harness.rank.plumbing import groups
+    from shardcheck.harness.rank.plumbing import trace
 
     groups.set_timeout(options["collective_timeout"])
 
     trace.install()
     lockstep = None
     if options.get("lockstep", True):
-        from shardcheck.harness.rank.lockstep import Lockstep
+        from shardcheck.harness.rank.checks.lockstep import Lockstep
 
         board = None
         if options.get("board"):  # a world the controller started on this machine
-            from shardcheck.harness.rank.board import Board
+            from shardcheck.harness.rank.plumbing.board import Board
 
             board = Board(options["board"], world_size, rank)
         lockstep = Lockstep(store_port, rank, world_size, options["collective_timeout"], label=groups.label,
@@ -158,7 +159,7 @@ class RankRunner:
     trace_cap: int | None = TRACE_CAP  # calls sent back when the whole trace is asked for (None: all)
 
     def __init__(self, rank: int, lockstep: Any, device: Any = None) -> None:
-        from shardcheck.harness.rank.megatron_core import load_parallel_state
+        from shardcheck.harness.rank.plumbing.megatron_core import load_parallel_state
 
         load_parallel_state()  # before the first scenario, and without the rest of megatron-core
         self.rank = rank
@@ -175,7 +176,7 @@ class RankRunner:
         target first undoes what the previous one set process-wide (``release()``: slime's stubs,
         its env and sys.path), so the next target runs in the process it would have had alone."""
         from shardcheck.harness import wire
-        from shardcheck.harness.run_config import effective
+        from shardcheck.run_config import effective
 
         config = (config or effective(spec)).for_target(spec)
         key = (spec, config.target_key(), tuple(sorted(wire.user_settings().items())))
@@ -197,7 +198,8 @@ class RankRunner:
     def close(self) -> None:
         """Leave the process as it was before the first scenario: targets released, the trace's
         and the groups' state reset (a joined world may be followed by another)."""
-        from shardcheck.harness.rank import groups, trace
+        from shardcheck.harness.rank.plumbing import groups
+        from shardcheck.harness.rank.plumbing import trace
 
         from shardcheck.targets import release
 
@@ -219,7 +221,7 @@ class RankRunner:
         from shardcheck.harness.rank.pipeline import CheckRaised, Frame, pipeline_for
         from shardcheck.harness.wire import Failure, RankResult
 
-        from shardcheck.harness.run_config import effective
+        from shardcheck.run_config import effective
 
         t0 = time.perf_counter()
         checks = checks or wire.Checks()
@@ -234,7 +236,7 @@ class RankRunner:
         try:
             pipeline.frame("begin", frame)
             if checks.coverage:
-                from shardcheck.harness.rank.reach import measured
+                from shardcheck.harness.rank.life.reach import measured
 
                 with measured(self.target(target, config), reached):
                     described, produced = self._run(scenario, config, frame, pipeline)
@@ -295,7 +297,8 @@ class RankRunner:
 
     def rank_inputs(self, sc: Any, data: Any, layout: Any, logits: Any, form: str, rollout: Any) -> Any:
         """What this rank hands the target for ``sc`` laid out as ``layout``, with ``logits``."""
-        from shardcheck.harness.rank import groups, shard
+        from shardcheck.harness.rank.plumbing import groups
+        from shardcheck.harness.rank.life import shard
         from shardcheck.targets import RankInputs
 
         return RankInputs(
@@ -328,10 +331,11 @@ class RankRunner:
         made, so a step that raises (the backward) does not hide what the earlier ones found."""
         import torch
 
-        from shardcheck.harness.rank import groups, shard
-        from shardcheck.harness.rank.data_path import layout_for, layout_payload
-        from shardcheck.harness.rank.loss import policy_gradients, share_gradients
-        from shardcheck.harness.rank.model_stand_in import model_output
+        from shardcheck.harness.rank.plumbing import groups
+        from shardcheck.harness.rank.life import shard
+        from shardcheck.harness.rank.life.data_path import layout_for, layout_payload
+        from shardcheck.harness.rank.life.loss import policy_gradients, share_gradients
+        from shardcheck.harness.rank.life.model_stand_in import model_output
         from shardcheck.harness.rank.pipeline import Life
         from shardcheck.scenarios import Scenario
         from shardcheck.scenarios.data import ScenarioData
@@ -342,8 +346,8 @@ class RankRunner:
         target = self.target(config.target, config)
         groups.configure(sc.tp, sc.cp)
         form = loss_form(target)
-        if form == "step":  # the whole training step around the target (harness/rank/training_step.py)
-            from shardcheck.harness.rank.training_step import run_step
+        if form == "step":  # the whole training step around the target (harness/rank/life/training_step.py)
+            from shardcheck.harness.rank.life.training_step import run_step
 
             step = run_step(self, sc, target, frame, pipeline)
             return {**description(target), "training_step": step}, None

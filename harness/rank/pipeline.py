@@ -11,7 +11,7 @@ The life, in order (the names of the points a check may hook into):
 - ``after_backward``: the logits' gradient is there (``life.grad``);
 - ``result``: the last word, e.g. what goes back besides the findings (``life.produced``).
 
-A target whose loss is a training step's (``loss_form = "step"``, harness/rank/training_step.py)
+A target whose loss is a training step's (``loss_form = "step"``, harness/rank/life/training_step.py)
 lives each micro-batch up to ``after_forward`` (megatron-core's schedule runs the backward), and
 the step as a whole reaches one point of its own:
 

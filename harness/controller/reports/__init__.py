@@ -1,0 +1,1 @@
+"""Verdicts, and every rendering of them: terminal, JSON, HTML, the fuzz and invariance views."""
