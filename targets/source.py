@@ -22,7 +22,8 @@ from shardcheck.errors import BadInput
 from shardcheck.run_config import SOURCES_GROUP as GROUP
 from shardcheck.run_config import source_env, source_names  # noqa: F401
 
-COMMIT_ENV = "SHARDCHECK_TARGET_COMMIT"  # the commit a source without .git was exported from (bisect)
+# the file an exported source tree (bisect's, from git archive: no .git) says its commit in
+EXPORTED_COMMIT = ".shardcheck-exported-commit"
 
 
 def source_flag(name: str) -> str:
@@ -124,11 +125,12 @@ def parameters(fn: ast.FunctionDef) -> list[str]:
 
 
 def source_commit(src: str | os.PathLike) -> str | None:
-    """The commit a target's source checkout is at: ``SHARDCHECK_TARGET_COMMIT`` when bisect
+    """The commit a target's source checkout is at: what :data:`EXPORTED_COMMIT` says where bisect
     exported it, else ``git rev-parse HEAD`` there; None for a folder that is not the top of a
     git work tree (an exported tree inside another repository must not take its commit)."""
-    if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV]
+    exported = Path(src, EXPORTED_COMMIT)
+    if exported.is_file():
+        return exported.read_text().strip() or None
     try:
         out = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
                              text=True, timeout=10)
@@ -138,12 +140,3 @@ def source_commit(src: str | os.PathLike) -> str | None:
     if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != Path(src).resolve():
         return None
     return lines[1]
-
-
-def export_sources(given: dict[str, str | None]) -> None:
-    """Validate the checkouts given by ``--<name>-src`` flags (name -> folder) and hand them to
-    the targets and ranks through the environment; BadInput (one line) for one that is not."""
-    for name, folder in given.items():
-        if folder:
-            framework = load_framework(name)
-            os.environ[framework.env] = str(framework.source(folder))

@@ -15,7 +15,7 @@ from conftest import run_cli
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller.commands import bisect as bisect_module
 from shardcheck.harness.controller.commands import runner
-from shardcheck.harness.controller.commands.bisect import COMMIT_ENV, SRC_ENV, Step, search, signature
+from shardcheck.harness.controller.commands.bisect import EXPORTED_COMMIT, SRC_ENV, Step, search, signature
 from shardcheck.harness.controller.reports.verdict import FAIL, PASS, VALUE_MISMATCH, Failure, RunInfo, Verdict
 from shardcheck.scenarios import get_suite
 
@@ -162,7 +162,8 @@ def fake_verdicts(history, monkeypatch) -> None:
     label = {full: name for name, full in commits.items()}
 
     def run(scenarios, target, *, reporter, timeout, **kwargs):
-        commit, src = os.environ[COMMIT_ENV], Path(kwargs["config"].target_src)  # the run's configuration
+        src = Path(kwargs["config"].target_src)  # the run's configuration
+        commit = (src / EXPORTED_COMMIT).read_text().strip()  # the exported tree says its commit
         assert (src / "slime" / "backends" / "megatron_utils" / "loss.py").is_file()  # the exported tree
         assert src != repo and not (src / ".git").exists()
         outcome = FAKE[label[commit]]

@@ -27,6 +27,21 @@ PLUGINS = TESTS / "fixtures" / "plugins"
 RECORDED = json.loads((PLUGINS / "verdicts.json").read_text())
 
 
+# The user's commands, one process for all three runs (each a command line's main: its own world):
+# a process a run would spend its seconds importing torch again.
+_RUN_EACH = """
+import json, sys
+from shardcheck.cli import main
+runs = json.loads(sys.argv[1])
+listed = main(["targets"])
+for spec, argv in runs:
+    print("=== " + spec, file=sys.stderr, flush=True)
+    print("=== " + spec, flush=True)
+    code = main(argv)
+    print("=== exit " + str(code), file=sys.stderr, flush=True)
+"""
+
+
 def _earlier_plugins(folder: Path) -> dict:
     site = folder / "site"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
@@ -34,21 +49,32 @@ def _earlier_plugins(folder: Path) -> dict:
     build = folder / "build"  # pip builds in a copy: the fixtures' folders stay as committed
     dirs = [str(shutil.copytree(PLUGINS / name, build / name)) for name in sorted({r["plugin"] for r in RECORDED["runs"]})]
     installed = subprocess.run(pip + dirs, capture_output=True, text=True, timeout=300)
-    env = cli_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(TESTS), env.get("PYTHONPATH")]))
     out = {"install": installed, "runs": {}}
     if installed.returncode:
         return out
-    cli = [sys.executable, "-m", "shardcheck"]
-    out["targets"] = subprocess.run(cli + ["targets"], capture_output=True, text=True, timeout=120, env=env)
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(TESTS), env.get("PYTHONPATH")]))
+    runs = []
     for run in RECORDED["runs"]:
         if run["spec"] == "dec03":  # its chunked variant runs the same code, with a variant and an option
             continue
         report = folder / f"{run['spec'].replace(':', '_')}.json"
-        proc = subprocess.run(cli + ["run", "--target", run["spec"], "--scenario-file", str(PLUGINS / "scenarios.json"),
-                                     *run["options"], "--json-report", str(report)],
-                              capture_output=True, text=True, timeout=300, env=env)
-        out["runs"][run["spec"]] = (proc, json.loads(report.read_text()) if report.exists() else None)
+        runs.append((run["spec"], ["run", "--target", run["spec"], "--scenario-file", str(PLUGINS / "scenarios.json"),
+                                   *run["options"], "--json-report", str(report)]))
+    proc = subprocess.run([sys.executable, "-c", _RUN_EACH, json.dumps(runs)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    out["targets"], out["process"] = proc.stdout.split("=== ")[0], proc
+    for part in proc.stderr.split("=== ")[1:]:
+        head, _, said = part.partition("\n")
+        if not head.startswith("exit "):
+            spec = head
+            out["runs"][spec] = {"stderr": said}
+        else:
+            out["runs"][spec]["exit"] = int(head.split()[1])
+    for spec, argv in runs:
+        report = Path(argv[-1])
+        if spec in out["runs"]:
+            out["runs"][spec]["report"] = json.loads(report.read_text()) if report.exists() else None
     return out
 
 
@@ -61,18 +87,20 @@ def test_plugins_written_against_earlier_contracts_run_unchanged(background):
     definitions followed, skips with its own reasons), with one notice in the run's header."""
     got = background("earlier-plugins")
     assert got["install"].returncode == 0, got["install"].stderr[-2000:]
-    listed = got["targets"].stdout
+    proc = got["process"]
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    listed = got["targets"]
     assert all(any(ln.startswith(f"{p} ") for ln in listed.splitlines()) for p in ("dec02", "dec03", "dec04")), listed
     checked = [run for run in RECORDED["runs"] if run["spec"] in got["runs"]]
-    assert len(checked) == 3
+    assert len(checked) == 3, proc.stderr[-2000:]
     for run in checked:
-        proc, report = got["runs"][run["spec"]]
-        assert proc.returncode == 0, (run["spec"], proc.stdout[-2000:], proc.stderr[-2000:])
-        verdicts = {s["name"]: [s["verdict"], s.get("reason") or ""] for s in report["scenarios"]}
+        ran = got["runs"][run["spec"]]
+        assert ran["exit"] == 0 and ran["report"], (run["spec"], ran["stderr"][-2000:])
+        verdicts = {s["name"]: [s["verdict"], s.get("reason") or ""] for s in ran["report"]["scenarios"]}
         assert verdicts == run["verdicts"], (run["spec"], run["recorded_at"])
-        notices = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardcheck: notice: ")]
-        assert len(notices) == 1 and "written against an earlier Target contract" in notices[0], proc.stderr[-1500:]
-        assert "release()" in notices[0] and "Traceback" not in proc.stderr
+        notices = [ln for ln in ran["stderr"].splitlines() if ln.startswith("shardcheck: notice: ")]
+        assert len(notices) == 1 and "written against an earlier Target contract" in notices[0], ran["stderr"][-1500:]
+        assert "release()" in notices[0] and "Traceback" not in ran["stderr"]
 
 
 # -- the contract itself, no world -------------------------------------------------------------

@@ -84,13 +84,22 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def checked() -> dict:
-    proc = subprocess.run([sys.executable, "-c", _CHECKS], capture_output=True, text=True, timeout=300)
+def _checked(folder) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _CHECKS], capture_output=True, text=True, timeout=300, cwd=folder)
+
+
+# the child's seconds (importing torch and megatron-core) spent beside the suite (tests/background.py)
+BACKGROUND = {"groups-child": (_checked, 300)}
+
+
+@pytest.fixture
+def checked(background) -> dict:
+    proc = background("groups-child")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.background("groups-child")
 def test_a_layout_switched_back_to_is_megatrons_own_and_makes_no_groups(checked):
     assert checked["switched back"] and checked["switched back again"]
     assert checked["groups made by switching back"] == 0
@@ -98,6 +107,7 @@ def test_a_layout_switched_back_to_is_megatrons_own_and_makes_no_groups(checked)
     assert checked["differs from scratch"] == []
 
 
+@pytest.mark.background("groups-child")
 def test_reset_puts_every_module_global_and_parallel_state_back(checked):
     assert checked["globals after reset"] == []
     assert checked["parallel_state after reset"] == []

@@ -2,8 +2,9 @@
 that takes ``--target-src``) where the verdict of a suite changes.
 
 Each commit reaches the target as its :class:`TargetConfig` source (the run configuration's
-``target_src``) with the commit's hash in ``SHARDCHECK_TARGET_COMMIT`` (an archive has no ``.git``). Commits are exported with ``git archive`` into temporary folders (the user's checkout and its
-``.git`` are only read), each is checked on a fresh world, and a binary search over the
+``target_src``), the commit's hash written beside its files (``targets.source.EXPORTED_COMMIT``:
+an archive has no ``.git``). Commits are exported with ``git archive`` into temporary folders
+(the user's checkout and its ``.git`` are only read), each is checked on a fresh world, and a binary search over the
 first-parent history from ``old`` to ``new`` names the first commit whose verdicts differ from
 ``old``'s. A commit that cannot be imported counts as skipped, as ``git bisect skip`` does.
 """
@@ -15,6 +16,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
@@ -24,7 +26,7 @@ from shardcheck.scenarios.scenario import Scenario
 
 from shardcheck.run_config import RunConfig, effective
 from shardcheck.targets.base import SRC_ENV  # noqa: F401  (where callers of old imported it from)
-from shardcheck.targets.source import COMMIT_ENV
+from shardcheck.targets.source import EXPORTED_COMMIT
 
 
 @dataclass
@@ -82,20 +84,12 @@ def check_commit(repo: str, commit: str, scenarios: Sequence[Scenario], target: 
         if archive.returncode != 0:
             return Step(commit, None, why_skipped=archive.stderr.decode(errors="replace").strip()[:200])
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True, timeout=300)
-        # the commit's hash for targets/source.py, which reads no configuration yet
-        saved = {COMMIT_ENV: os.environ.get(COMMIT_ENV)}
-        os.environ[COMMIT_ENV] = commit
+        Path(tmp, EXPORTED_COMMIT).write_text(commit + "\n")  # what targets.source reads of an exported tree
         try:
             result = runner.run(scenarios, target, reporter=reporter_factory(), timeout=timeout,
                                 config=config.with_source(tmp))
         except BadInput as exc:
             return Step(commit, None, why_skipped=str(exc))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     # a commit the target cannot run at (it cannot be imported; the harness's own error there) is no verdict
     unimportable = [v for v in result.verdicts
                     if v.status == ERROR or any("cannot be imported" in f.message for f in v.failures)]
