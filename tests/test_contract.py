@@ -24,6 +24,7 @@ from conftest import TESTS, cli_env
 
 ROOT = TESTS.parent
 PLUGINS = TESTS / "fixtures" / "plugins"
+EXAMPLE = ROOT / "examples" / "naive_target"  # today's contract: installed beside them, no notice
 RECORDED = json.loads((PLUGINS / "verdicts.json").read_text())
 
 
@@ -48,6 +49,7 @@ def _earlier_plugins(folder: Path) -> dict:
            "--no-build-isolation", "--target", str(site)]
     build = folder / "build"  # pip builds in a copy: the fixtures' folders stay as committed
     dirs = [str(shutil.copytree(PLUGINS / name, build / name)) for name in sorted({r["plugin"] for r in RECORDED["runs"]})]
+    dirs.append(str(shutil.copytree(EXAMPLE, build / "naive_target")))
     installed = subprocess.run(pip + dirs, capture_output=True, text=True, timeout=300)
     out = {"install": installed, "runs": {}}
     if installed.returncode:
@@ -61,6 +63,9 @@ def _earlier_plugins(folder: Path) -> dict:
         report = folder / f"{run['spec'].replace(':', '_')}.json"
         runs.append((run["spec"], ["run", "--target", run["spec"], "--scenario-file", str(PLUGINS / "scenarios.json"),
                                    *run["options"], "--json-report", str(report)]))
+    report = folder / "naive.json"
+    runs.append(("naive", ["run", "--target", "naive", "--scenario-file", str(PLUGINS / "scenarios.json"),
+                           "--json-report", str(report)]))
     proc = subprocess.run([sys.executable, "-c", _RUN_EACH, json.dumps(runs)], capture_output=True, text=True,
                           timeout=600, env=env)
     out["targets"], out["process"] = proc.stdout.split("=== ")[0], proc
@@ -90,8 +95,9 @@ def test_plugins_written_against_earlier_contracts_run_unchanged(background):
     proc = got["process"]
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     listed = got["targets"]
-    assert all(any(ln.startswith(f"{p} ") for ln in listed.splitlines()) for p in ("dec02", "dec03", "dec04")), listed
-    checked = [run for run in RECORDED["runs"] if run["spec"] in got["runs"]]
+    assert all(any(ln.startswith(f"{p} ") for ln in listed.splitlines())
+               for p in ("dec02", "dec03", "dec04", "naive")), listed
+    checked = [run for run in RECORDED["runs"] if run["spec"] in got["runs"]]  # not dec03: its chunked variant
     assert len(checked) == 3, proc.stderr[-2000:]
     for run in checked:
         ran = got["runs"][run["spec"]]
@@ -101,6 +107,18 @@ def test_plugins_written_against_earlier_contracts_run_unchanged(background):
         notices = [ln for ln in ran["stderr"].splitlines() if ln.startswith("shardcheck: notice: ")]
         assert len(notices) == 1 and "written against an earlier Target contract" in notices[0], ran["stderr"][-1500:]
         assert "release()" in notices[0] and "Traceback" not in ran["stderr"]
+
+
+@pytest.mark.background("earlier-plugins")
+def test_the_example_plugin_of_todays_contract_runs_without_a_notice(background):
+    """examples/naive_target (docs/targets.md), derived from TargetBase: installed the same way,
+    it checks what it supports and says nothing of contracts."""
+    ran = background("earlier-plugins")["runs"]["naive"]
+    assert ran["exit"] == 0, ran["stderr"][-2000:]
+    by = {s["name"]: s for s in ran["report"]["scenarios"]}
+    assert by["thd-tp1"]["verdict"] == by["thd-tp2"]["verdict"] == "pass"
+    assert by["zigzag-cp2"]["verdict"] == "skip" and "layout zigzag not supported" in by["zigzag-cp2"]["reason"]
+    assert "notice" not in ran["stderr"] and "contract_notice" not in ran["report"]["target"]
 
 
 # -- the contract itself, no world -------------------------------------------------------------

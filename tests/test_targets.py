@@ -1,19 +1,12 @@
-"""Targets other than builtin: megatron-core's cross entropy, and a third-party plugin installed
-into this environment through the ``shardcheck.targets`` entry-point group."""
-
-import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
+"""Targets other than builtin: megatron-core's cross entropy, and a plugin of an earlier contract
+(the example plugin and three earlier ones, installed as packages: tests/test_contract.py)."""
 
 import pytest
 
-from conftest import run_cli, run_on_world, write_scenarios
+from conftest import run_on_world, write_scenarios
 from shardcheck.scenarios import Sample, Scenario, get_suite, load_scenario_file
 
 pytestmark = pytest.mark.world
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "naive_target"
 
 
 def _scenarios(layouts, with_entropy=True):
@@ -38,34 +31,6 @@ def test_megatron_cross_entropy_passes_and_states_what_it_cannot_do(tmp_path, wo
     assert by["with-entropy"]["verdict"] == "skip" and "computes no entropy" in by["with-entropy"]["reason"]
     assert by["allgather-tp2cp2"]["verdict"] == "skip"
     assert doc["target"]["name"] == "megatron" and doc["target"]["version"]
-
-
-@pytest.fixture
-def installed_plugin(tmp_path):
-    src = tmp_path / "naive_target"
-    shutil.copytree(EXAMPLE, src)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    proc = subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", str(src)], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    try:
-        yield
-    finally:
-        subprocess.run(pip + ["uninstall", "-y", "shardcheck-naive-target"], capture_output=True, timeout=300)
-
-
-@pytest.mark.launch
-def test_a_third_party_target_installed_as_a_plugin_runs(tmp_path, installed_plugin):
-    listing = run_cli("targets")
-    assert any(ln.startswith("naive ") for ln in listing.stdout.splitlines()), listing.stdout
-    scenarios = _scenarios([("thd", 2, 1), ("thd", 1, 1), ("zigzag", 1, 2)])
-    f = write_scenarios(tmp_path / "s.json", scenarios)
-    report = tmp_path / "r.json"
-    proc = run_cli("run", "--target", "naive", "--scenario-file", str(f), "--json-report", str(report))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    by = {v["name"]: v for v in json.loads(report.read_text())["scenarios"]}
-    assert by["thd-tp2cp1"]["verdict"] == "pass" and by["thd-tp1cp1"]["verdict"] == "pass"
-    assert by["zigzag-tp1cp2"]["verdict"] == "skip" and "layout zigzag not supported" in by["zigzag-tp1cp2"]["reason"]
 
 
 class _LastMonthsTarget:
