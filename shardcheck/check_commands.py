@@ -17,9 +17,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from shardcheck.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_CHECKED, EXIT_OK, EXIT_TERMINATED,
-                                Command, Plan, Terminated, check_reports, check_switches, check_world, json_report,
-                                name_list, key_value, register, repeat_args, run_config, scenario_options,
-                                search_options, select, unwritten, world_options, writable)
+                                Command, Plan, Terminated, check_coverage, check_reports, check_switches, check_world,
+                                json_report, key_value, name_list, register, repeat_args, repro_command, run_config,
+                                scenario_options, search_options, select, unwritten, world_options, writable)
 from shardcheck.errors import BadInput
 from shardcheck.run_options import in_effect
 from shardcheck.targets.source import source_names
@@ -58,12 +58,12 @@ class Run(Command):
         scenarios = select(args)
         check_world(args, scenarios)
         if config.coverage:
-            _check_coverage(config)
+            check_coverage(config)
         check_reports(args)
         settings = SimpleNamespace(nproc=args.nproc, timeout=args.timeout, quiet=args.quiet,
                                    json_report=args.json_report, html_report=args.html_report,
                                    suite=args.suite or "smoke", allow_all_skipped=args.allow_all_skipped,
-                                   repro=_repro_command(args))
+                                   repro=repro_command(args))
         return Plan(config, tuple(scenarios), settings, args)
 
     def execute(self, plan: Plan) -> int:
@@ -109,33 +109,6 @@ class Run(Command):
                   "(--allow-all-skipped to exit 0)", file=sys.stderr)
             return EXIT_NOTHING_CHECKED
         return result.exit_code
-
-
-def _check_coverage(config: Any) -> None:
-    """--coverage needs coverage.py and a target that names its framework's files."""
-    import importlib.util
-
-    from shardcheck.harness.controller.commands.runner import controller_target
-
-    if importlib.util.find_spec("coverage") is None:
-        raise BadInput("--coverage needs coverage.py: pip install 'shardcheck[coverage]' (or coverage)")
-    target = controller_target(config.target, config)
-    if not target.framework_files or target.src is None:
-        raise BadInput(f"--coverage: target {config.target!r} names no framework source files (a target from a "
-                       "framework's checkout sets src and framework_files)")
-
-
-def _repro_command(args: argparse.Namespace) -> str:
-    """The `shardcheck repro` command for a failure of this run ({scenario}: its name)."""
-    import shlex
-
-    if args.json_report:
-        where = ["--report", args.json_report]
-    else:
-        where = ["--target", args.target, *(["--scenario-file", args.scenario_file] if args.scenario_file
-                                            else ["--suite", args.suite or "smoke"]), *repeat_args(args)]
-    return "shardcheck repro " + " ".join(map(shlex.quote, where)).replace("{", "{{").replace("}", "}}") + \
-        " --scenario {scenario}"
 
 
 @register

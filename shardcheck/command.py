@@ -316,3 +316,30 @@ def writable(path: str) -> None:
 def unwritten(*reports: Any) -> str | None:
     """The first report write that failed during the run, in one line (None: all written)."""
     return next((r.failed for r in reports if r is not None and getattr(r, "failed", None)), None)
+
+
+def check_coverage(config: Any) -> None:
+    """--coverage needs coverage.py and a target that names its framework's files."""
+    import importlib.util
+
+    from shardcheck.harness.controller.commands.runner import controller_target
+
+    if importlib.util.find_spec("coverage") is None:
+        raise BadInput("--coverage needs coverage.py: pip install 'shardcheck[coverage]' (or coverage)")
+    target = controller_target(config.target, config)
+    if not target.framework_files or target.src is None:
+        raise BadInput(f"--coverage: target {config.target!r} names no framework source files (a target from a "
+                       "framework's checkout sets src and framework_files)")
+
+
+def repro_command(args: argparse.Namespace) -> str:
+    """The `shardcheck repro` command for a failure of this run ({scenario}: its name)."""
+    import shlex
+
+    if args.json_report:
+        where = ["--report", args.json_report]
+    else:
+        where = ["--target", args.target, *(["--scenario-file", args.scenario_file] if args.scenario_file
+                                            else ["--suite", args.suite or "smoke"]), *repeat_args(args)]
+    return "shardcheck repro " + " ".join(map(shlex.quote, where)).replace("{", "{{").replace("}", "}}") + \
+        " --scenario {scenario}"
