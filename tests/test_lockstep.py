@@ -131,3 +131,22 @@ def test_the_trace_sees_every_route_in_forward_and_backward(world):
     one = next(c for c in calls if c["op"] == "all_reduce" and c["phase"] == "forward")
     assert one["reduce_op"] == "SUM" and one["dtype"] == "float32" and one["shapes"] == [[4]]
     assert [c["number"] for c in calls if c["group"] == one["group"]][:3] == [0, 1, 2]
+
+
+def test_no_frame_of_the_harness_is_named_as_a_call_site():
+    """A call site is the first frame outside torch and the harness: every module of the harness,
+    wherever its folder puts it (the rank's plumbing, the controller, and the harness's own modules
+    below the targets), is passed over; a target's module is not."""
+    from pathlib import Path
+
+    import shardcheck
+    from shardcheck.harness.rank.plumbing import trace
+    from shardcheck.targets import builtin
+
+    root = Path(shardcheck.__file__).resolve().parent.parent
+    own = [*(root / "harness").rglob("*.py"), root / "shardcheck" / "backend.py",
+           root / "scenarios" / "traced_layout.py"]
+    assert len(own) > 40
+    missed = [str(p) for p in own if not str(p.resolve()).startswith(trace._SKIPPED)]
+    assert not missed, missed
+    assert not str(Path(builtin.__file__).resolve()).startswith(trace._SKIPPED)

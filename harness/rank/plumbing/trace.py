@@ -73,7 +73,10 @@ STACK_SHOWN = 3
 _SHIM = importlib.util.find_spec("typing_extensions")
 _SKIPPED = (
     os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # all of the harness
+    os.path.dirname(importlib.util.find_spec("shardcheck.harness").origin) + os.sep,  # all of the harness
+    # the harness's own modules that sit below the targets (their floor, not their folder)
+    importlib.util.find_spec("shardcheck.backend").origin,
+    importlib.util.find_spec("shardcheck.scenarios.traced_layout").origin,
     sysconfig.get_paths()["stdlib"] + os.sep,
     *((_SHIM.origin,) if _SHIM is not None and _SHIM.origin else ()),
     # shardcheck's pass-through wrappers between a caller under test and the function it calls
