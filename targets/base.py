@@ -27,6 +27,7 @@ its framework splits the global batch (None where its commit has no splitter of 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Protocol, runtime_checkable
@@ -572,7 +573,7 @@ def step_skip_reason(target: Target, scenario: Scenario) -> str | None:
 # The Target contract's version, and what each version added (docs/targets.md, "The contract").
 # A plugin written against any of them runs unchanged: what it lacks takes TargetBase's default,
 # with a one-line notice in the run's header (targets.contract.adopt).
-CONTRACT_VERSION = 6
+CONTRACT_VERSION = 7
 CONTRACT_HISTORY: dict[int, tuple[str, tuple[str, ...]]] = {
     1: ("2026-12-02", ("name", "capabilities", "describe", "compute", "loss_form", "invariance")),
     2: ("2026-12-03", ("data_path", "training_loss", "src", "framework_files")),
@@ -580,6 +581,7 @@ CONTRACT_HISTORY: dict[int, tuple[str, tuple[str, ...]]] = {
     4: ("2026-12-04", ("release",)),
     5: ("2026-12-05", ("repro_call", "split_batch", "logged_loss", "calculate_per_token_loss")),
     6: ("2026-12-05", ("contract", "declares", "implementation")),
+    7: ("2026-12-05", ("backward_context",)),
 }
 
 
@@ -634,6 +636,12 @@ class Target(Protocol):
         its commit aggregates none."""
         ...
 
+    def backward_context(self) -> AbstractContextManager[Any]:
+        """What the backward of its outputs must run inside, as its framework's training loop
+        runs it (``torch.distributed.tensor.parallel.loss_parallel()``: its backward handlers
+        are only installed there); the harness enters it around the backward."""
+        ...
+
     def declares(self, member: str) -> bool:
         """Whether the target has ``member`` of its own, not TargetBase's default."""
         ...
@@ -676,6 +684,9 @@ class TargetBase:
 
     def logged_loss(self, reported: list[dict[str, Any]], sizes: StepSizes) -> Any:
         return None
+
+    def backward_context(self) -> AbstractContextManager[Any]:
+        return nullcontext()
 
     def declares(self, member: str) -> bool:
         if member not in OPTIONAL_MEMBERS:

@@ -11,6 +11,7 @@ what it has; everything else reads the contract's members.
 from __future__ import annotations
 
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from shardcheck.targets.base import (CONTRACT_HISTORY, CONTRACT_VERSION, OPTIONAL_MEMBERS, Capabilities, DataPath,
@@ -106,6 +107,9 @@ class AdoptedTarget(TargetBase):
 
     def logged_loss(self, reported: list[dict[str, Any]], sizes: StepSizes) -> Any:
         return self.plugin.logged_loss(reported, sizes) if "logged_loss" in self.has else None
+
+    def backward_context(self) -> AbstractContextManager[Any]:
+        return self.plugin.backward_context() if "backward_context" in self.has else nullcontext()
 
     def declares(self, member: str) -> bool:
         if member not in OPTIONAL_MEMBERS:

@@ -14,7 +14,7 @@ import torch
 
 from shardcheck.scenarios.layout import rank_layout
 from shardcheck.scenarios import Scenario
-from shardcheck.targets import RankInputs, RankOutputs
+from shardcheck.targets import RankInputs, RankOutputs, TargetBase
 from shardcheck.targets.builtin import BuiltinTarget
 
 SAMPLE, TOKEN, COLUMN = 1, 3, 5
@@ -1112,3 +1112,24 @@ class RefusesItsCheckout(BuiltinTarget):
         from shardcheck.errors import BadInput
 
         raise BadInput("slime at /x cannot be imported: no module named slime.backends (its first commit)")
+
+
+class LossParallelBackwardOutside(TargetBase):
+    """torch:loss_parallel with no backward context: its backward runs outside loss_parallel(),
+    as a training loop that leaves the context before loss.backward() does (torch's handlers are
+    gone there: the backward raises)"""
+
+    name = "plants:LossParallelBackwardOutside"
+
+    def __init__(self):
+        from shardcheck.targets.torch_parallel import LossParallelTarget
+
+        self.inner = LossParallelTarget()
+        self.capabilities = self.inner.capabilities
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        return self.inner.compute(inputs)
+
+
+def loss_parallel_backward_outside() -> LossParallelBackwardOutside:
+    return LossParallelBackwardOutside()

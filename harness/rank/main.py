@@ -390,7 +390,8 @@ class RankRunner:
             life.fed = share_gradients(life.outputs.log_probs, life.entropy, weights, sc.entropy_coef)
         pipeline.call("before_backward", life)
         if life.fed:
-            with pipeline.around("backward", life):
+            # inside what the target's framework runs its backward in (loss_parallel's handlers)
+            with pipeline.around("backward", life), target.backward_context():
                 torch.autograd.backward([f.output for f in life.fed], [f.grad for f in life.fed])
         life.grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         pipeline.call("after_backward", life)
