@@ -88,6 +88,8 @@ LOGPROBS = "from_parallel_logits_to_logprobs"
 PACKED = "from_parallel_logits_to_logprobs_packed_sequences"
 ENTROPY = "ChunkedDistributedEntropy"
 FUSED = "prepare_packed_loss_input"
+NEXT_TOKEN = "get_next_token_logprobs_from_logits"  # its DTensor branch: get_logprobs_from_vocab_parallel_logits
+DTENSOR = "get_logprobs_from_vocab_parallel_logits"
 
 OPTIONS = {
     "cp_on_cpu": "true: run cp > 1 scenarios on a CPU world although NeMo-RL's AllGatherCPTensor.backward "
@@ -127,6 +129,7 @@ class NemoRLEra:
     packing: bool  # NeMo-RL's own sequence packing (the data path)
     fused_loss: bool
     unfused_loss: bool
+    dtensor: bool = False  # get_next_token_logprobs_from_logits takes DTensor logits (its DTensor worker's path)
 
     def reported(self) -> dict[str, Any]:
         """The fields reports show (the parameter lists left out)."""
@@ -167,6 +170,7 @@ def detect_era(src: Path) -> NemoRLEra:
         packing=has_packing(src),
         fused_loss=has_fused_loss(src),
         unfused_loss=has_unfused_loss(src),
+        dtensor=NEXT_TOKEN in functions and DTENSOR in functions,
     )
 
 
@@ -241,6 +245,9 @@ VARIANTS = {
                   "-> prepare_packed_loss_input (_pack_input_ids builds the rolled targets from the unpacked "
                   "input_ids and the data path's cu_seqlens) -> from_parallel_logits_to_logprobs_packed_sequences; "
                   "thd and zigzag only",
+    "dtensor": "NeMo-RL's DTensor worker's path: get_next_token_logprobs_from_logits on logits that are a DTensor "
+               "sharded over the vocabulary (Shard(-1)) on a DeviceMesh ('tp',) built from the rank's TP group -> "
+               "get_logprobs_from_vocab_parallel_logits -> dtensor_from_parallel_logits_to_logprobs; bshd, cp 1",
     "sampling": "the default paths with sampling_params=TrainingSamplingParams(top_k, top_p, temperature) from "
                 "the scenario (DistributedLogprobWithSampling / ChunkedDistributedLogprobWithSampling); a "
                 "scenario without top-k/top-p passes params that filter nothing",
@@ -273,6 +280,8 @@ class NemoRLTarget(CheckoutTarget):
                            "later): use the default nemo_rl target")
         if variant == "sampling" and not self.era.sampling:
             raise BadInput(f"NeMo-RL at {self.short()} takes no sampling_params (top-k/top-p came later)")
+        if variant == "dtensor" and not self.era.dtensor:
+            raise BadInput(f"NeMo-RL at {self.short()} has no {NEXT_TOKEN} with a DTensor branch ({DTENSOR})")
         if variant == "fused_loss" and not self.era.fused_loss:
             raise BadInput(f"NeMo-RL at {self.short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
                            "later): use nemo_rl:pre_rolled")
@@ -295,6 +304,7 @@ class NemoRLTarget(CheckoutTarget):
         self._mod: Any = None
         self._sampling_mod: Any = None
         self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
+        self._mesh: Any = None  # nemo_rl:dtensor's ('tp',) DeviceMesh and the group it was built on
 
     def repro_call(self) -> str | None:
         """How a repro script calls NeMo-RL: the default variant on shardcheck's rows (a script that
@@ -307,7 +317,13 @@ class NemoRLTarget(CheckoutTarget):
         reasons: dict[str, str] = {
             "allgather": "NeMo-RL has no all-gather CP: its Megatron CP is zigzag (2*cp load-balanced chunks "
                          "per sequence) only"}
-        if self.variant == "fused_loss":
+        if self.variant == "dtensor":
+            reasons["thd"] = reasons["zigzag"] = ("NeMo-RL's DTensor worker hands get_next_token_logprobs_from_logits "
+                                                  "[batch, sequence] batches (bshd) here")
+            cp_sizes = frozenset({1})
+            cp_reason = ("the DTensor path's CP (a 'cp' mesh dimension and seq_index, with its own gather) is not "
+                         "run by nemo_rl:dtensor yet")
+        elif self.variant == "fused_loss":
             layouts = {"thd", "zigzag"}
             reasons["bshd"] = ("NeMo-RL's fused packed loss runs with sequence packing only (thd, zigzag): bshd "
                                "batches take the unfused loss")
@@ -322,10 +338,10 @@ class NemoRLTarget(CheckoutTarget):
         else:
             reasons["thd"] = reasons["zigzag"] = (f"NeMo-RL at {self.short()} has no {PACKED} "
                                                   "(sequence packing came later)")
-        cp_sizes = None
-        cp_reason = ""
+        if self.variant != "dtensor":
+            cp_sizes, cp_reason = None, ""
         line = era.cp_backward_needs_cuda
-        if line and not self.cp_on_cpu and not _ranks_on_cuda():
+        if line and self.variant != "dtensor" and not self.cp_on_cpu and not _ranks_on_cuda():
             cp_sizes = frozenset({1})
             cp_reason = (f"NeMo-RL's AllGatherCPTensor.backward (model_utils.py:{line}) builds its index with "
                          "pin_memory=True and .cuda(): cp > 1 needs ranks on CUDA (nccl, one GPU per rank, or "
@@ -354,7 +370,7 @@ class NemoRLTarget(CheckoutTarget):
         )
 
     def forget(self) -> None:
-        self._mod = self._sampling_mod = self._loss_path = None
+        self._mod = self._sampling_mod = self._loss_path = self._mesh = None
         if self.data_path is not None:
             self.data_path.release()
 
@@ -383,6 +399,9 @@ class NemoRLTarget(CheckoutTarget):
         elif self._through_loss():
             thd = f"SequencePackingLossWrapper -> prepare_loss_input -> get_next_token_logprobs_from_logits -> {LOGPROBS}"
         out = {"thd, zigzag": thd, "bshd": LOGPROBS}
+        if self.variant == "dtensor":
+            out = {"bshd": f"{NEXT_TOKEN} on DTensor logits (Shard(-1), a ('tp',) mesh) -> {DTENSOR} -> "
+                           "dtensor_from_parallel_logits_to_logprobs"}
         if self.variant == "sampling":
             out["sampling"] = "sampling_params=TrainingSamplingParams(top_k, top_p, temperature)"
         return out
@@ -465,6 +484,8 @@ class NemoRLTarget(CheckoutTarget):
                 logits = logits.to(torch.float32)
         if through_loss:
             log_probs = self._through_wrapper(mod, logits, inputs, chunk)
+        elif self.variant == "dtensor":
+            log_probs = self._dtensor(mod, logits, inputs)
         elif inputs.layout == "bshd":
             log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
         elif self.variant == "per_sequence":
@@ -515,6 +536,24 @@ class NemoRLTarget(CheckoutTarget):
         out = getattr(mod, LOGPROBS)(logits, target, start, end, inputs.tp_group,
                                      **self._kwargs(self._logprobs_params, inputs, chunk, sampling))
         out = out[:, :width - 1]  # as the caller slices off CP padding
+        return [out[r // width, r % width] for r in inputs.scored_rows()]
+
+    def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs) -> list[Any]:
+        """NeMo-RL's DTensor worker's call: the logits a DTensor sharded over the vocabulary on a
+        ('tp',) mesh of the rank's TP group, input_ids [B, S] right-padded; out[:, p] scores token p + 1."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        key = (inputs.tp_group, logits.device.type)
+        if self._mesh is None or self._mesh[0] != key:  # DeviceMesh.from_group issues no collective
+            self._mesh = (key, DeviceMesh.from_group(inputs.tp_group, logits.device.type, mesh_dim_names=("tp",)))
+        width = logits.shape[1]
+        input_ids = torch.zeros(len(inputs.tokens), width, dtype=inputs.tokens[0].dtype, device=logits.device)
+        for i, toks in enumerate(inputs.tokens):
+            input_ids[i, :toks.numel()] = toks.to(logits.device)
+        sharded = DTensor.from_local(logits, self._mesh[1], [Shard(-1)], run_check=False)
+        out = getattr(mod, NEXT_TOKEN)(input_ids, sharded)
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
     def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,

@@ -279,6 +279,24 @@ def test_each_calling_convention_passes(tmp_path):
 
 @needs_nemo_rl
 @pytest.mark.world
+def test_the_dtensor_workers_path_passes_on_dtensor_logits(tmp_path):
+    """nemo_rl:dtensor: get_next_token_logprobs_from_logits's DTensor branch (logits a DTensor
+    sharded over the vocabulary on a ('tp',) mesh of the rank's TP group), which no target reached
+    before issue 39; its packed layouts and CP are skipped, saying why."""
+    names = ["bshd-tp2cp1-basic", "bshd-tp4cp1-edges", "bshd-tp1cp1-basic", "thd-tp2cp1-basic", "zigzag-tp2cp2-basic"]
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:dtensor", "--suite", "smoke", "--coverage",
+                               *[a for n in names for a in ("--scenario", n)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert [verdicts[n]["verdict"] for n in names[:3]] == ["pass"] * 3
+    assert "[batch, sequence] batches (bshd)" in verdicts["thd-tp2cp1-basic"]["reason"]
+    assert verdicts["zigzag-tp2cp2-basic"]["verdict"] == "skip"
+    ran = {f.rpartition(":")[2] for f in doc["coverage"]["files"]["nemo_rl/distributed/model_utils.py"]["functions"]}
+    assert {"get_next_token_logprobs_from_logits", "get_logprobs_from_vocab_parallel_logits",
+            "dtensor_from_parallel_logits_to_logprobs"} <= ran, ran
+
+
+@needs_nemo_rl
+@pytest.mark.world
 def test_the_sampling_variant_meets_the_filtered_truth(tmp_path):
     """nemo_rl:sampling filters the logits itself (top-k, then top-p): the sampling suite's truth,
     keep sets filtered from the float64 logits, is met in thd and bshd at tp 1 and 2, chunked too;
