@@ -247,7 +247,8 @@ VARIANTS = {
                   "thd and zigzag only",
     "dtensor": "NeMo-RL's DTensor worker's path: get_next_token_logprobs_from_logits on logits that are a DTensor "
                "sharded over the vocabulary (Shard(-1)) on a DeviceMesh ('tp',) built from the rank's TP group -> "
-               "get_logprobs_from_vocab_parallel_logits -> dtensor_from_parallel_logits_to_logprobs; bshd, cp 1",
+               "get_logprobs_from_vocab_parallel_logits -> dtensor_from_parallel_logits_to_logprobs (with a "
+               "scenario's top-k / top-p, sampling_params: DistributedLogprobWithSampling); bshd, cp 1",
     "sampling": "the default paths with sampling_params=TrainingSamplingParams(top_k, top_p, temperature) from "
                 "the scenario (DistributedLogprobWithSampling / ChunkedDistributedLogprobWithSampling); a "
                 "scenario without top-k/top-p passes params that filter nothing",
@@ -350,7 +351,7 @@ class NemoRLTarget(CheckoutTarget):
         kwargs: dict[str, Any] = {}
         if cp_sizes is not None:
             kwargs["cp_sizes"] = cp_sizes
-        sampling = self.variant == "sampling"
+        sampling = self.variant in ("sampling", "dtensor") and era.sampling
         # NeMo-RL's own packing pads every sequence to a multiple of tp: only its chunk rule is left
         framework_rows = self.data_path is not None
 
@@ -485,7 +486,8 @@ class NemoRLTarget(CheckoutTarget):
         if through_loss:
             log_probs = self._through_wrapper(mod, logits, inputs, chunk)
         elif self.variant == "dtensor":
-            log_probs = self._dtensor(mod, logits, inputs)
+            filtered = self.capabilities.sampling and scenario_sampling(inputs) is not None
+            log_probs = self._dtensor(mod, logits, inputs, self._sampling_params(inputs) if filtered else None)
         elif inputs.layout == "bshd":
             log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
         elif self.variant == "per_sequence":
@@ -538,7 +540,7 @@ class NemoRLTarget(CheckoutTarget):
         out = out[:, :width - 1]  # as the caller slices off CP padding
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
-    def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs) -> list[Any]:
+    def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs, sampling: Any) -> list[Any]:
         """NeMo-RL's DTensor worker's call: the logits a DTensor sharded over the vocabulary on a
         ('tp',) mesh of the rank's TP group, input_ids [B, S] right-padded; out[:, p] scores token p + 1."""
         import torch
@@ -553,7 +555,7 @@ class NemoRLTarget(CheckoutTarget):
         for i, toks in enumerate(inputs.tokens):
             input_ids[i, :toks.numel()] = toks.to(logits.device)
         sharded = DTensor.from_local(logits, self._mesh[1], [Shard(-1)], run_check=False)
-        out = getattr(mod, NEXT_TOKEN)(input_ids, sharded)
+        out = getattr(mod, NEXT_TOKEN)(input_ids, sharded, sampling_params=sampling)
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
     def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,

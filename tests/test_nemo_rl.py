@@ -293,6 +293,10 @@ def test_the_dtensor_workers_path_passes_on_dtensor_logits(tmp_path):
     ran = {f.rpartition(":")[2] for f in doc["coverage"]["files"]["nemo_rl/distributed/model_utils.py"]["functions"]}
     assert {"get_next_token_logprobs_from_logits", "get_logprobs_from_vocab_parallel_logits",
             "dtensor_from_parallel_logits_to_logprobs"} <= ran, ran
+    # with a scenario's top-k / top-p: DistributedLogprobWithSampling on the DTensor branch, checked
+    # against the filtered truth (ignoring sampling_params fails it)
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl:dtensor", "--suite", "sampling", "--scenario", "sampling-bshd-tp2")
+    assert proc.returncode == 0 and verdicts["sampling-bshd-tp2"]["verdict"] == "pass", proc.stdout[-3000:]
 
 
 @needs_nemo_rl
