@@ -261,7 +261,7 @@ def select(args: argparse.Namespace) -> list:
 
 def check_world(args: argparse.Namespace, scenarios: list | None = None, axes: list[str] | None = None) -> None:
     """The world's options, before anything is loaded; given the scenarios (run, or invariance
-    along ``axes``), that the world they need fits this machine (see harness/controller/limits)."""
+    along ``axes``), that the world they need fits this machine (see harness/controller/worlds/limits)."""
     from shardcheck.harness.controller.worlds import limits
 
     if scenarios is not None:

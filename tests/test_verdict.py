@@ -1,4 +1,4 @@
-"""The verdict of one scenario from its ranks' results (harness/controller/verdict.merge), without
+"""The verdict of one scenario from its ranks' results (harness/controller/reports/verdict.merge), without
 processes: what makes it fail or time out, and that the layout check of all ranks together
 reaches it."""
 
