@@ -591,18 +591,6 @@ def test_fuzz_without_the_input_check_looks_past_a_known_write_and_finds_the_wro
 
 
 @pytest.mark.world
-def test_simulate_without_the_input_check_passes_a_target_known_to_write_into_its_logits(tmp_path, monkeypatch):
-    """``shardcheck simulate --scenario-file F --no-inplace`` through ``main``, on its fake world."""
-    from shardcheck.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    sc = dict(MSG_SC.to_dict(), temperature=0.9)
-    (tmp_path / "s.json").write_text(json.dumps([sc]))
-    argv = ["simulate", "--target", "builtin:inplace_temperature", "--scenario-file", "s.json", "-q"]
-    assert main(argv) == 1  # input_mutated: it divides the logits it is given by 0.9
-    assert main([*argv, "--no-inplace"]) == 0  # its values, gradients and collectives are right
-
-
 @pytest.mark.world
 def test_the_pytest_session_takes_the_switch_to_its_runs(world):
     from shardcheck.pytest_plugin import ShardcheckSession

@@ -141,8 +141,13 @@ def test_a_write_in_backward_is_named_in_backward():
 @pytest.mark.world
 def test_megatron_cross_entropy_writes_into_its_logits_in_forward(world):
     """megatron-core 0.16's vocab_parallel_cross_entropy subtracts the max and exponentiates in the
-    caller's float32 logits (Megatron-LM issue 1594): `run --target megatron --suite logprob`."""
-    result = runner.run(get_suite("logprob"), "megatron", reporter=SilentReport(), world=world)
+    caller's float32 logits (Megatron-LM issue 1594): `run --target megatron --suite logprob`, here
+    one scenario of each layout megatron runs at temperature 1 and one at another temperature
+    (every failing scenario is run again to name the write: the whole suite took 6 s)."""
+    runs = [sc for sc in get_suite("logprob") if sc.layout != "allgather"]
+    chosen = [next(sc for sc in runs if sc.layout == layout and sc.temperature == 1.0)
+              for layout in ("thd", "bshd", "zigzag")] + [next(sc for sc in runs if sc.temperature != 1.0)]
+    result = runner.run(chosen, "megatron", reporter=SilentReport(), world=world)
     assert result.exit_code == 1
     found = _failures(result)
     assert found and {f.kind for v in result.verdicts for f in v.failures} == {"input_mutated"}
@@ -152,7 +157,7 @@ def test_megatron_cross_entropy_writes_into_its_logits_in_forward(world):
         assert f.details["changed"] == f.details["elements"]
     # at temperature != 1 the adapter's division makes the copy megatron writes into
     passed = {v.scenario.name for v in result.verdicts if v.status == "pass"}
-    assert passed and all(sc.temperature != 1.0 for sc in get_suite("logprob") if sc.name in passed)
+    assert passed == {chosen[-1].name} and len(found) >= 3
 
 
 @pytest.mark.world

@@ -65,6 +65,19 @@ def test_every_hang_mutant_is_caught_by_simulation(fake, name):
     assert found[0].details.get("simulated") and " call " in found[0].message
 
 
+def test_simulate_without_the_input_check_passes_a_target_known_to_write_into_its_logits(fake):
+    """The simulated world takes the run's input check like any other: builtin:inplace_temperature
+    divides the logits it is given by 0.9 (input_mutated), and with the check off (``simulate
+    --no-inplace``: tests/test_command_options.py holds the flag to the plan) its values,
+    gradients and collectives are right. On the module's world: no world of its own each."""
+    sc = Scenario("m", (Sample(9, 5), Sample(6, 3)), vocab=16, tp=2, entropy_coef=0.1, temperature=0.9, seed=3)
+    [checked] = runner.run([sc], "builtin:inplace_temperature", reporter=SilentReport(), world=fake).verdicts
+    [unchecked] = runner.run([sc], "builtin:inplace_temperature", reporter=SilentReport(), world=fake,
+                             inplace=False).verdicts
+    assert checked.kinds == ["input_mutated"], checked.headline()
+    assert unchecked.status == "pass", unchecked.headline()
+
+
 def test_builtin_is_clean_in_simulation_on_wide_layouts(fake):
     """Layouts a real world here cannot hold: tp 2 x cp 4 (8 ranks), long prompts leaving high CP
     ranks with no response token, empty all-gather slices."""
