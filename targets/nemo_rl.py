@@ -360,10 +360,12 @@ class NemoRLTarget(CheckoutTarget):
 
         return Capabilities(
             layout_reasons=tuple(reasons.items()), sampling=sampling, rule=sampling_shape if sampling else None,
-            layouts=frozenset(layouts), entropy=bool(era.entropy),
+            layouts=frozenset(layouts), entropy=bool(era.entropy) and self.variant != "dtensor",
             replay_keep=False,
             reasons=(("layout", f"NeMo-RL at {self.short()} supports {', '.join(sorted(layouts))}"),
-                     ("entropy", f"NeMo-RL at {self.short()} has no {ENTROPY}"),
+                     ("entropy", "NeMo-RL's DTensor worker computes no entropy on this path (its "
+                                 f"{ENTROPY} is the Megatron path's: nemo_rl)" if self.variant == "dtensor" else
+                                 f"NeMo-RL at {self.short()} has no {ENTROPY}"),
                      ("cp", cp_reason),
                      ("replay_keep", "NeMo-RL does not replay the rollout's keep sets: it recomputes "
                                      "top-k/top-p from the training logits (nemo_rl:sampling)")),
@@ -379,7 +381,8 @@ class NemoRLTarget(CheckoutTarget):
         return {
             "era": self.era.reported(),
             "functions": self._functions(),
-            "entropy": f"{ENTROPY} (sum p log p, the negative entropy, as NeMo-RL defines it)",
+            "entropy": ("none (the DTensor worker's path computes none)" if self.variant == "dtensor" else
+                        f"{ENTROPY} (sum p log p, the negative entropy, as NeMo-RL defines it)"),
             "definitions": self.definitions.describe(),
             "temperature": ("logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
                             else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
@@ -487,7 +490,7 @@ class NemoRLTarget(CheckoutTarget):
             log_probs = self._through_wrapper(mod, logits, inputs, chunk)
         elif self.variant == "dtensor":
             filtered = self.capabilities.sampling and scenario_sampling(inputs) is not None
-            log_probs = self._dtensor(mod, logits, inputs, self._sampling_params(inputs) if filtered else None)
+            log_probs = self._dtensor(mod, logits, inputs, chunk, self._sampling_params(inputs) if filtered else None)
         elif inputs.layout == "bshd":
             log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
         elif self.variant == "per_sequence":
@@ -540,9 +543,11 @@ class NemoRLTarget(CheckoutTarget):
         out = out[:, :width - 1]  # as the caller slices off CP padding
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
-    def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs, sampling: Any) -> list[Any]:
-        """NeMo-RL's DTensor worker's call: the logits a DTensor sharded over the vocabulary on a
-        ('tp',) mesh of the rank's TP group, input_ids [B, S] right-padded; out[:, p] scores token p + 1."""
+    def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs, chunk: int | None, sampling: Any) -> list[Any]:
+        """NeMo-RL's DTensor worker's training call (prepare_loss_input's): the logits a DTensor
+        sharded over the vocabulary on a ('tp',) mesh of the rank's TP group, input_ids [B, S]
+        right-padded, its logprob_chunk_size passed as it passes it (the DTensor branch does not
+        hand it on); out[:, p] scores token p + 1."""
         import torch
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
@@ -555,7 +560,7 @@ class NemoRLTarget(CheckoutTarget):
         for i, toks in enumerate(inputs.tokens):
             input_ids[i, :toks.numel()] = toks.to(logits.device)
         sharded = DTensor.from_local(logits, self._mesh[1], [Shard(-1)], run_check=False)
-        out = getattr(mod, NEXT_TOKEN)(input_ids, sharded, sampling_params=sampling)
+        out = getattr(mod, NEXT_TOKEN)(input_ids, sharded, sampling_params=sampling, chunk_size=chunk)
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
     def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,

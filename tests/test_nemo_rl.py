@@ -283,20 +283,33 @@ def test_the_dtensor_workers_path_passes_on_dtensor_logits(tmp_path):
     """nemo_rl:dtensor: get_next_token_logprobs_from_logits's DTensor branch (logits a DTensor
     sharded over the vocabulary on a ('tp',) mesh of the rank's TP group), which no target reached
     before issue 39; its packed layouts and CP are skipped, saying why."""
-    names = ["bshd-tp2cp1-basic", "bshd-tp4cp1-edges", "bshd-tp1cp1-basic", "thd-tp2cp1-basic", "zigzag-tp2cp2-basic"]
-    proc, verdicts, doc = _run(tmp_path, "nemo_rl:dtensor", "--suite", "smoke", "--coverage",
+    names = [f"{n}-logprob" for n in ("bshd-tp2cp1-basic", "bshd-tp4cp1-edges", "bshd-tp1cp1-basic",
+                                       "thd-tp2cp1-basic", "zigzag-tp2cp2-basic")]
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:dtensor", "--suite", "logprob", "--coverage",
                                *[a for n in names for a in ("--scenario", n)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert [verdicts[n]["verdict"] for n in names[:3]] == ["pass"] * 3
-    assert "[batch, sequence] batches (bshd)" in verdicts["thd-tp2cp1-basic"]["reason"]
-    assert verdicts["zigzag-tp2cp2-basic"]["verdict"] == "skip"
+    assert "[batch, sequence] batches (bshd)" in verdicts["thd-tp2cp1-basic-logprob"]["reason"]
+    assert verdicts["zigzag-tp2cp2-basic-logprob"]["verdict"] == "skip"
     ran = {f.rpartition(":")[2] for f in doc["coverage"]["files"]["nemo_rl/distributed/model_utils.py"]["functions"]}
     assert {"get_next_token_logprobs_from_logits", "get_logprobs_from_vocab_parallel_logits",
             "dtensor_from_parallel_logits_to_logprobs"} <= ran, ran
     # with a scenario's top-k / top-p: DistributedLogprobWithSampling on the DTensor branch, checked
     # against the filtered truth (ignoring sampling_params fails it)
-    proc, verdicts, _ = _run(tmp_path, "nemo_rl:dtensor", "--suite", "sampling", "--scenario", "sampling-bshd-tp2")
+    import dataclasses
+
+    from conftest import write_scenarios
+    from shardcheck.scenarios import get_suite
+
+    [sc] = [dataclasses.replace(sc, with_entropy=False, entropy_coef=0.0) for sc in get_suite("sampling")
+            if sc.name == "sampling-bshd-tp2"]
+    f = write_scenarios(tmp_path / "sampling.json", [sc])
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl:dtensor", "--scenario-file", str(f))
     assert proc.returncode == 0 and verdicts["sampling-bshd-tp2"]["verdict"] == "pass", proc.stdout[-3000:]
+    # the DTensor worker computes no entropy on this path: a scenario with one is skipped, saying so
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl:dtensor", "--suite", "smoke", "--scenario", "bshd-tp2cp1-basic",
+                             "--allow-all-skipped")
+    assert "computes no entropy" in verdicts["bshd-tp2cp1-basic"]["reason"], verdicts
 
 
 @needs_nemo_rl
