@@ -37,9 +37,24 @@ class _Parser(argparse.ArgumentParser):
                        if " " in self.prog else f"{message} (see shardcheck --help)")
 
 
+class _Version(argparse.Action):
+    """``--version``: the contract's version is read only when asked (targets.base imports torch)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        from shardcheck import __version__
+        from shardcheck.targets.base import CONTRACT_VERSION
+
+        print(f"shardcheck {__version__} (Target contract {CONTRACT_VERSION})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every registered command's parser, its options as the command declares them."""
     p = _Parser(prog="shardcheck", description=__doc__.splitlines()[0].replace("``", ""))
+    p.add_argument("--version", action=_Version, help="print shardcheck's version and its Target contract's, and exit")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     for command in COMMANDS.values():
         command.add_options(sub.add_parser(command.name, help=command.help))

@@ -110,3 +110,16 @@ def test_nccl_without_cuda_is_one_line(cli_in_process, command):
 
 def test_missing_scenario_file(cli_in_process):
     _one_line_error(cli_in_process("run", "--scenario-file", "/nonexistent/s.json"), "does not exist")
+
+
+def test_version_names_shardcheck_and_its_target_contract(capsys):
+    """``shardcheck --version``: the package's version and the Target contract's (docs/targets.md,
+    "The contract"), as --help exits: at once, status 0."""
+    import shardcheck
+    from shardcheck.cli import main
+    from shardcheck.targets.base import CONTRACT_VERSION
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--version"])
+    assert stopped.value.code == 0
+    assert capsys.readouterr().out == f"shardcheck {shardcheck.__version__} (Target contract {CONTRACT_VERSION})\n"
