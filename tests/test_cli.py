@@ -123,3 +123,6 @@ def test_version_names_shardcheck_and_its_target_contract(capsys):
         main(["--version"])
     assert stopped.value.code == 0
     assert capsys.readouterr().out == f"shardcheck {shardcheck.__version__} (Target contract {CONTRACT_VERSION})\n"
+    from importlib.metadata import version
+
+    assert version("shardcheck") == shardcheck.__version__  # written once: pyproject.toml reads it
