@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from abc import ABC, abstractmethod
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Plan:
     args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
 
 
-class Command:
+class Command(ABC):
     """One ``shardcheck`` command. ``accepted_without_effect``: options taken so that one command
     line carries from one command to another, which this command does not act on; each is said
     in its help (the option test holds them to that)."""
@@ -66,9 +67,9 @@ class Command:
         Nothing starts here: no world, no file written."""
         return Plan(args=args)
 
+    @abstractmethod
     def execute(self, plan: Plan) -> int:
         """Do what ``plan`` says; the exit status."""
-        raise NotImplementedError
 
     def run(self, args: argparse.Namespace) -> int:
         return self.execute(self.plan(args))

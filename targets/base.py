@@ -698,6 +698,7 @@ class TargetBase:
 
 
 # what a target may leave to TargetBase, in the order the contract added it
+REQUIRED_MEMBERS = ("name", "capabilities", "describe", "compute")  # a target's own, no default
+BASE_MEMBERS = ("contract", "declares", "implementation")  # TargetBase's own: what it says of a target
 OPTIONAL_MEMBERS = tuple(m for _, (_, added) in sorted(CONTRACT_HISTORY.items()) for m in added
-                         if m not in ("name", "capabilities", "describe", "compute", "contract", "declares",
-                                      "implementation"))
+                         if m not in REQUIRED_MEMBERS + BASE_MEMBERS)

@@ -14,10 +14,11 @@ import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from shardcheck.targets.base import (CONTRACT_HISTORY, CONTRACT_VERSION, OPTIONAL_MEMBERS, Capabilities, DataPath,
-                                     Definitions, RankInputs, RankOutputs, Scenario, StepSizes, Target, TargetBase)
+from shardcheck.targets.base import (CONTRACT_HISTORY, CONTRACT_VERSION, OPTIONAL_MEMBERS, REQUIRED_MEMBERS,
+                                     Capabilities, DataPath, Definitions, RankInputs, RankOutputs, Scenario, StepSizes,
+                                     Target, TargetBase)
 
-REQUIRED = ("name", "capabilities", "describe", "compute")
+REQUIRED = REQUIRED_MEMBERS
 _SAID: set[str] = set()
 # what a notice names first: what changes most what a run does
 _NAMED_FIRST = ("release", "definitions", "data_path", "repro_call")

@@ -305,7 +305,6 @@ class NemoRLTarget(CheckoutTarget):
         self._mod: Any = None
         self._sampling_mod: Any = None
         self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
-        self._mesh: Any = None  # nemo_rl:dtensor's ('tp',) DeviceMesh and the group it was built on
 
     def repro_call(self) -> str | None:
         """How a repro script calls NeMo-RL: the default variant on shardcheck's rows (a script that
@@ -373,7 +372,7 @@ class NemoRLTarget(CheckoutTarget):
         )
 
     def forget(self) -> None:
-        self._mod = self._sampling_mod = self._loss_path = self._mesh = None
+        self._mod = self._sampling_mod = self._loss_path = None
         if self.data_path is not None:
             self.data_path.release()
 
@@ -532,13 +531,8 @@ class NemoRLTarget(CheckoutTarget):
     def _bshd(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int, chunk: int | None,
               sampling: Any) -> list[Any]:
         """NeMo-RL's unpacked path: input_ids [B, S] right-padded; out[:, p] scores token p + 1."""
-        import torch
-
         width = logits.shape[1]
-        target = torch.zeros(len(inputs.tokens), width, dtype=inputs.tokens[0].dtype, device=logits.device)
-        for i, toks in enumerate(inputs.tokens):
-            target[i, :toks.numel()] = toks.to(logits.device)
-        out = getattr(mod, LOGPROBS)(logits, target, start, end, inputs.tp_group,
+        out = getattr(mod, LOGPROBS)(logits, _right_padded(inputs, width, logits.device), start, end, inputs.tp_group,
                                      **self._kwargs(self._logprobs_params, inputs, chunk, sampling))
         out = out[:, :width - 1]  # as the caller slices off CP padding
         return [out[r // width, r % width] for r in inputs.scored_rows()]
@@ -548,19 +542,12 @@ class NemoRLTarget(CheckoutTarget):
         sharded over the vocabulary on a ('tp',) mesh of the rank's TP group, input_ids [B, S]
         right-padded, its logprob_chunk_size passed as it passes it (the DTensor branch does not
         hand it on); out[:, p] scores token p + 1."""
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Shard
+        from shardcheck.targets.torch_parallel import vocab_sharded
 
-        key = (inputs.tp_group, logits.device.type)
-        if self._mesh is None or self._mesh[0] != key:  # DeviceMesh.from_group issues no collective
-            self._mesh = (key, DeviceMesh.from_group(inputs.tp_group, logits.device.type, mesh_dim_names=("tp",)))
         width = logits.shape[1]
-        input_ids = torch.zeros(len(inputs.tokens), width, dtype=inputs.tokens[0].dtype, device=logits.device)
-        for i, toks in enumerate(inputs.tokens):
-            input_ids[i, :toks.numel()] = toks.to(logits.device)
-        sharded = DTensor.from_local(logits, self._mesh[1], [Shard(-1)], run_check=False)
-        out = getattr(mod, NEXT_TOKEN)(input_ids, sharded, sampling_params=sampling, chunk_size=chunk)
+        out = getattr(mod, NEXT_TOKEN)(_right_padded(inputs, width, logits.device),
+                                       vocab_sharded(logits, inputs.tp_group, "tp"), sampling_params=sampling,
+                                       chunk_size=chunk)
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
     def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,
@@ -622,6 +609,17 @@ class NemoRLTarget(CheckoutTarget):
         asked = scenario_sampling(inputs)
         top_k, top_p = asked if asked is not None else (None, 1.0)
         return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
+
+
+def _right_padded(inputs: RankInputs, width: int, device: Any) -> Any:
+    """Every sample's token ids, right-padded with 0 to ``width``: the [B, S] input_ids NeMo-RL's
+    unpacked callers hand it."""
+    import torch
+
+    ids = torch.zeros(len(inputs.tokens), width, dtype=inputs.tokens[0].dtype, device=device)
+    for i, toks in enumerate(inputs.tokens):
+        ids[i, :toks.numel()] = toks.to(device)
+    return ids
 
 
 # How a `shardcheck repro` script calls NeMo-RL (see harness/controller/commands/repro.py): as NemoRLTarget
