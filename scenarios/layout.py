@@ -10,7 +10,12 @@ by rows [P - 1, L - 1); response token j is scored by row P - 1 + j.
   holds chunks r and 2c - 1 - r of every sample, sample after sample.
 - allgather (cp = c): the packed sequence, padded to a multiple of c * tp, is cut into c
   contiguous pieces; CP rank r holds piece r. Its outputs are redistributed to zigzag shares.
-For cp > 1 a rank returns, per sample, the response tokens its zigzag chunks score (maybe none).
+- ulysses (sp = s): the packed sequence, padded at its end to a multiple of s, is cut into s
+  contiguous slices (verl's ``ulysses_pad_and_slice_inputs``); SP rank r holds slice r, over the
+  whole vocabulary or its TP shard. Its outputs are gathered back over the sp group.
+For cp > 1 a rank returns, per sample, the response tokens its zigzag chunks score (maybe none);
+under sp every rank returns every response token (gathered), and takes its loss over them
+divided by sp (the gather's backward hands each rank its own rows' share).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """What one (tp_rank, cp_rank) holds and owes for a scenario."""
+    """What one (tp_rank, cp_rank) holds and owes for a scenario; under sp, ``cp_rank`` is the
+    rank's place on the sequence axis (its sp rank)."""
 
     scenario: Scenario
     tp_rank: int
@@ -100,8 +106,16 @@ def allgather_local_rows(scenario: Scenario) -> int:
     return -(-total // unit) * unit // scenario.cp
 
 
-def allgather_pieces(scenario: Scenario, cp_rank: int) -> list[Piece]:
-    local = allgather_local_rows(scenario)
+def ulysses_local_rows(scenario: Scenario) -> int:
+    """Rows per SP rank in the Ulysses layout (packed length padded to a multiple of sp)."""
+    total = sum(s.total for s in scenario.samples)
+    return -(-total // scenario.sp)
+
+
+def allgather_pieces(scenario: Scenario, cp_rank: int, local: int | None = None) -> list[Piece]:
+    """The pieces of contiguous slice ``cp_rank`` of the packed sequence, ``local`` rows a slice
+    (all-gather CP's by default; the Ulysses layout cuts the same way, into its own slices)."""
+    local = allgather_local_rows(scenario) if local is None else local
     lo, hi = cp_rank * local, (cp_rank + 1) * local
     pieces, offset = [], 0
     for i, s in enumerate(scenario.samples):
@@ -116,8 +130,8 @@ def allgather_pieces(scenario: Scenario, cp_rank: int) -> list[Piece]:
 
 def rank_layout(scenario: Scenario, tp_rank: int, cp_rank: int) -> RankLayout:
     sc = scenario
-    if not (0 <= tp_rank < sc.tp and 0 <= cp_rank < sc.cp):
-        raise ValueError(f"rank (tp={tp_rank}, cp={cp_rank}) outside tp={sc.tp} cp={sc.cp}")
+    if not (0 <= tp_rank < sc.tp and 0 <= cp_rank < sc.seq):
+        raise ValueError(f"rank (tp={tp_rank}, cp={cp_rank}) outside tp={sc.tp} cp={sc.cp} sp={sc.sp}")
     v_local = sc.vocab // sc.tp
     columns = (tp_rank * v_local, (tp_rank + 1) * v_local)
     samples = sc.samples
@@ -138,9 +152,12 @@ def rank_layout(scenario: Scenario, tp_rank: int, cp_rank: int) -> RankLayout:
     elif sc.layout == "allgather":
         pieces = allgather_pieces(sc, cp_rank)
         shape = (1, allgather_local_rows(sc), v_local)
+    elif sc.layout == "ulysses":
+        pieces = allgather_pieces(sc, cp_rank, ulysses_local_rows(sc))
+        shape = (1, ulysses_local_rows(sc), v_local)
     else:  # validation makes this unreachable; keep the error named
         raise ValueError(f"unknown layout {sc.layout!r}")
-    if sc.cp == 1:
+    if sc.cp == 1:  # sp included: every rank owes every response token, gathered
         share = tuple(tuple(range(s.response)) for s in samples)
     else:
         share = tuple(zigzag_share(s.total, s.response, sc.cp, cp_rank) for s in samples)

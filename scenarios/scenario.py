@@ -16,8 +16,13 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.batch import replica_micro_batches, token_budget_split
 
-LAYOUTS = ("thd", "bshd", "zigzag", "allgather")
+# thd, bshd and the Megatron family's context-parallel layouts (zigzag ring CP, all-gather CP),
+# then the DTensor family's sequence-parallel ones (Ulysses: the packed sequence cut into sp
+# contiguous slices, its outputs gathered back)
+LAYOUTS = ("thd", "bshd", "zigzag", "allgather", "ulysses")
+MEGATRON_LAYOUTS = ("thd", "bshd", "zigzag", "allgather")
 CP_LAYOUTS = ("zigzag", "allgather")
+SP_LAYOUTS = ("ulysses",)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -77,6 +82,10 @@ class Scenario:
     dp: int = 1
     micro_batch_size: int = 0
     micro_batch_tokens: int = 0
+    # the sequence-parallel degree of the DTensor family's layouts (``SP_LAYOUTS``): each rank
+    # holds a contiguous slice of the packed sequence and the outputs are gathered over the sp
+    # group; 1 for every other layout (cp is the Megatron family's sequence axis)
+    sp: int = 1
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -93,7 +102,7 @@ class Scenario:
         d["samples"] = [[s.total, s.response] + ([s.data_id] if s.data_id not in (None, i) else [])
                          for i, s in enumerate(self.samples)]
         for name, off in (("top_k", 0), ("top_p", 1.0), ("keep_sets", None), ("layout_knobs", ()), ("dp", 1),
-                          ("micro_batch_size", 0), ("micro_batch_tokens", 0)):
+                          ("micro_batch_size", 0), ("micro_batch_tokens", 0), ("sp", 1)):
             # written when on: older keys hold
             if d[name] == off:
                 del d[name]
@@ -146,8 +155,14 @@ class Scenario:
 
     @property
     def ranks(self) -> int:
-        """The ranks one copy of the scenario takes: dp x tp x cp."""
-        return self.dp * self.tp * self.cp
+        """The ranks one copy of the scenario takes: dp x tp x cp x sp (cp or sp is 1)."""
+        return self.dp * self.tp * self.cp * self.sp
+
+    @property
+    def seq(self) -> int:
+        """How many ranks the sequence is sharded over: cp (the Megatron family's context
+        parallelism) or sp (the DTensor family's sequence parallelism); the other is 1."""
+        return self.cp * self.sp
 
     @property
     def step(self) -> bool:
@@ -175,7 +190,8 @@ class Scenario:
         step = (f" dp={self.dp}" if self.dp > 1 else "") + (f" mbs={self.micro_batch_size}" if self.micro_batch_size
                                                             else "") + (
             f" mbt={self.micro_batch_tokens}" if self.micro_batch_tokens else "")
-        return f"{self.layout} tp={self.tp} cp={self.cp}{step} V={self.vocab} [{lengths}{more}]{knobs}"
+        seq = f"sp={self.sp}" if self.sp > 1 else f"cp={self.cp}"
+        return f"{self.layout} tp={self.tp} {seq}{step} V={self.vocab} [{lengths}{more}]{knobs}"
 
 
 def _as_sample(value: Any, name: str) -> Sample:
@@ -239,8 +255,18 @@ def data_id(scenario: Scenario, index: int) -> int:
 # hypothesis strategies (strategies.py) draw only what they accept and refuse what they refuse.
 
 
-def layout_problem(layout: str, cp: int) -> str | None:
-    """What is wrong with ``layout`` at this cp (CP layouts need cp >= 2, the others cp 1), or None."""
+def layout_problem(layout: str, cp: int, sp: int = 1) -> str | None:
+    """What is wrong with ``layout`` at this cp and sp, or None: CP layouts need cp >= 2 and sp 1,
+    SP layouts sp >= 2 and cp 1, the others cp 1 and sp 1."""
+    if layout in SP_LAYOUTS:
+        if sp < 2:
+            return f"layout {layout} needs sp >= 2, got sp={sp}"
+        if cp != 1:
+            return f"layout {layout} is sequence parallel over sp: cp must be 1, got {cp}"
+        return None
+    if sp != 1:
+        return (f"layout {layout} has no sequence parallelism: sp must be 1, got {sp} (sp layouts: "
+                f"{', '.join(SP_LAYOUTS)})")
     if layout in CP_LAYOUTS and cp < 2:
         return f"layout {layout} needs cp >= 2, got cp={cp}"
     if layout not in CP_LAYOUTS and cp != 1:
@@ -248,9 +274,16 @@ def layout_problem(layout: str, cp: int) -> str | None:
     return None
 
 
-def layout_fits(layout: str, cp: int) -> bool:
-    """Whether validation accepts ``layout`` at this cp."""
-    return layout_problem(layout, cp) is None
+def sequence_sizes(layout: str, seq: int) -> tuple[int, int]:
+    """(cp, sp) of ``layout`` when its sequence is sharded over ``seq`` ranks: sp layouts shard
+    it over sp, the others over cp (the search draws one sequence size, whichever layout)."""
+    return (1, seq) if layout in SP_LAYOUTS else (seq, 1)
+
+
+def layout_fits(layout: str, seq: int) -> bool:
+    """Whether validation accepts ``layout`` with its sequence sharded over ``seq`` ranks (cp for
+    the CP layouts, sp for the SP layouts)."""
+    return layout_problem(layout, *sequence_sizes(layout, seq)) is None
 
 
 def entropy_problem(with_entropy: Any, entropy_coef: Any) -> str | None:
@@ -350,7 +383,8 @@ def validate(s: Scenario) -> None:
     if len(set(ids)) != len(ids):
         dup = next(x for x in ids if ids.count(x) > 1)
         raise bad(f"two samples carry data_id {dup} (a sample's data_id defaults to its index)")
-    for fname in ("vocab", "tp", "cp", "log_probs_chunk_size", "seed", "dp", "micro_batch_size", "micro_batch_tokens"):
+    for fname in ("vocab", "tp", "cp", "sp", "log_probs_chunk_size", "seed", "dp", "micro_batch_size",
+                  "micro_batch_tokens"):
         if not _is_int(getattr(s, fname)):
             raise bad(f"{fname} must be an integer, got {getattr(s, fname)!r}")
     if s.vocab < 1:
@@ -366,8 +400,8 @@ def validate(s: Scenario) -> None:
     if s.replay_keep and (s.top_k > 0 or s.top_p < 1):
         raise bad("replay_keep and top_k / top_p are two definitions of a processed log-prob (replayed sets, "
                   "or sets filtered from the logits): give one")
-    if s.tp < 1 or s.cp < 1:
-        raise bad(f"tp and cp must be >= 1, got tp={s.tp} cp={s.cp}")
+    if s.tp < 1 or s.cp < 1 or s.sp < 1:
+        raise bad(f"tp, cp and sp must be >= 1, got tp={s.tp} cp={s.cp} sp={s.sp}")
     if s.vocab % s.tp:
         raise bad(f"vocab {s.vocab} is not divisible by tp {s.tp}")
     problem = step_problem(s)
@@ -375,7 +409,7 @@ def validate(s: Scenario) -> None:
         raise bad(problem)
     if s.layout not in LAYOUTS:
         raise bad(f"layout {s.layout!r} is not one of {', '.join(LAYOUTS)}")
-    for problem in (layout_problem(s.layout, s.cp), entropy_problem(s.with_entropy, s.entropy_coef),
+    for problem in (layout_problem(s.layout, s.cp, s.sp), entropy_problem(s.with_entropy, s.entropy_coef),
                     chunk_size_problem(s.log_probs_chunk_size)):
         if problem:
             raise bad(problem)

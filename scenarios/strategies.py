@@ -33,7 +33,7 @@ from hypothesis.strategies import SearchStrategy
 
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import (DTYPES, LAYOUTS, Sample, Scenario, chunk_size_problem,
-                                           entropy_problem, layout_fits)
+                                           entropy_problem, layout_fits, layout_problem, sequence_sizes)
 
 T = TypeVar("T")
 
@@ -83,13 +83,19 @@ def _as_values(value: _Choice, default: Sequence[T]) -> tuple[T, ...] | None:
     return tuple(value)
 
 
-def layouts(cp: int | None = None, allowed: Collection[str] | None = None) -> SearchStrategy[str]:
-    """A layout valid at ``cp`` (any layout when cp is None), among ``allowed``."""
+def layouts(cp: int | None = None, allowed: Collection[str] | None = None, *,
+            seq: int | None = None) -> SearchStrategy[str]:
+    """A layout valid at ``cp`` with sp 1 (any layout when cp is None), among ``allowed``;
+    ``seq``: valid with its sequence sharded over that many ranks, cp for the CP layouts or sp
+    for the SP layouts (:func:`~shardcheck.scenarios.scenario.sequence_sizes`)."""
     names = [name for name in LAYOUTS if allowed is None or name in allowed]
     if cp is not None:
-        names = [name for name in names if layout_fits(name, cp)]
+        names = [name for name in names if layout_problem(name, cp) is None]
+    if seq is not None:
+        names = [name for name in names if layout_fits(name, seq)]
     if not names:
-        raise BadInput(f"no layout among {sorted(allowed or LAYOUTS)} is valid at cp={cp}")
+        at = f"cp={cp}" if seq is None else f"a sequence sharded over {seq}"
+        raise BadInput(f"no layout among {sorted(allowed or LAYOUTS)} is valid at {at}")
     return st.sampled_from(names)
 
 
@@ -159,8 +165,7 @@ def boundary_positions(totals: Sequence[int], *, tp: int = 1, cp: int = 1, layou
     """
     from shardcheck.scenarios.layout import rank_layout
 
-    sketch = Scenario("sketch", tuple(Sample(t, 1) for t in totals), vocab=tp, tp=tp, cp=cp, layout=layout,
-                      log_probs_chunk_size=chunk_size)
+    sketch = _sketch(totals, tp, cp, layout, chunk_size)
     found: list[set[int]] = [set() for _ in totals]
     for cp_rank in range(cp):
         rank = rank_layout(sketch, 0, cp_rank)
@@ -195,8 +200,16 @@ def _local_rows(totals: Sequence[int], tp: int, cp: int, layout: str) -> int:
     """The most rows any rank holds (the rows its chunks split)."""
     from shardcheck.scenarios.layout import rank_layout
 
-    sketch = Scenario("sketch", tuple(Sample(t, 1) for t in totals), vocab=tp, tp=tp, cp=cp, layout=layout)
+    sketch = _sketch(totals, tp, cp, layout)
     return max(rank_layout(sketch, 0, r).num_rows for r in range(cp))
+
+
+def _sketch(totals: Sequence[int], tp: int, seq: int, layout: str, chunk_size: int = -1) -> Scenario:
+    """The layout of these totals alone, its sequence sharded over ``seq`` ranks (cp, or sp for
+    the SP layouts: the search draws one sequence size for either family)."""
+    cp, sp = sequence_sizes(layout, seq)
+    return Scenario("sketch", tuple(Sample(t, 1) for t in totals), vocab=tp, tp=tp, cp=cp, sp=sp, layout=layout,
+                    log_probs_chunk_size=chunk_size)
 
 
 def coarsen_chunk_size(chunk_size: int, local_rows: int, max_chunks: int = MAX_CHUNKS) -> int:
@@ -298,7 +311,7 @@ def _scenarios(draw: Any, *, tp: _Choice, cp: _Choice, layout: _Choice, vocab: _
         c = draw(_choices(cp, CPS))
         assume(_fits(t, c, layout_values, ranks))
     if layout_values is not None:
-        lay = draw(layouts(c, layout_values))
+        lay = draw(layouts(allowed=layout_values, seq=c))
     else:
         lay = draw(_choices(layout, LAYOUTS))
         assume(layout_fits(lay, c))
@@ -317,8 +330,9 @@ def _scenarios(draw: Any, *, tp: _Choice, cp: _Choice, layout: _Choice, vocab: _
     with_entropy, coef = draw(_choices(entropy, ENTROPY))
     replay = draw(_choices(replay_keep, (False, True)))
     top_k, top_p = (0, 1.0) if replay else draw(_choices(sampling, SAMPLING))  # one definition at a time
+    seq_cp, seq_sp = sequence_sizes(lay, c)
     return Scenario(
-        name=name, samples=batch, vocab=v, tp=t, cp=c, layout=lay, with_entropy=with_entropy,
+        name=name, samples=batch, vocab=v, tp=t, cp=seq_cp, sp=seq_sp, layout=lay, with_entropy=with_entropy,
         entropy_coef=coef, log_probs_chunk_size=chunk, temperature=draw(_choices(temperature, TEMPERATURES)),
         dtype=draw(_choices(dtype, DTYPES)),
         seed=draw(_choices(seed, ()) if seed is not None else st.integers(0, 2**16)),

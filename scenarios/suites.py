@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from shardcheck.errors import BadInput
-from shardcheck.scenarios import regressions, smoke, training
+from shardcheck.scenarios import regressions, sequence_parallel, smoke, training
 from shardcheck.scenarios.scenario import Scenario
 
-# Every named suite, by name: a new suite is a function in smoke.py, regressions.py or training.py,
-# listed here.
+# Every named suite, by name: a new suite is a function in smoke.py, regressions.py, training.py or
+# sequence_parallel.py, listed here.
 SUITES: dict[str, Callable[[], list[Scenario]]] = {
     fn.__name__: fn for fn in (smoke.smoke, smoke.logprob, smoke.large, regressions.regressions, regressions.replay,
-                               regressions.sampling, training.training)
+                               regressions.sampling, training.training,
+                               sequence_parallel.sequence_parallel)
 }
 
 

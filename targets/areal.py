@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.scenarios.scenario import LAYOUTS, Scenario
+from shardcheck.scenarios.scenario import MEGATRON_LAYOUTS, Scenario
 from shardcheck.targets.areal_data import (DATA_FILE, ENGINE_FILE, GLOO_SAFE_DIST_F, TRAIN_ENGINE_FILE,
                                            ArealDataPath, ArealEnginePath, engine_facts, packing_facts)
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
@@ -218,7 +218,7 @@ class ArealTarget(CheckoutTarget):
             return built or self._all_gather_rule(scenario)
 
         return Capabilities(
-            layouts=frozenset(LAYOUTS) - set(reasons), layout_reasons=tuple(reasons.items()), rule=rule,
+            layouts=frozenset(MEGATRON_LAYOUTS) - set(reasons), layout_reasons=tuple(reasons.items()), rule=rule,
             entropy=self.variant != "forward",
             reasons=(("entropy", "forward_batch computes log-probs only (_compute_forward_result: gather_logprobs)"),
                      ("replay_keep", "AReaL normalises over the whole vocabulary: it replays no keep sets"),

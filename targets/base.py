@@ -37,7 +37,7 @@ import torch
 from shardcheck.run_config import OPTS_ENV, SRC_ENV, RunConfig, active, environment_target
 from shardcheck.scenarios.data import OBJECTIVES
 from shardcheck.scenarios.layout import local_held_rows, local_row_targets, local_share_rows
-from shardcheck.scenarios.scenario import DTYPES, LAYOUTS, Scenario
+from shardcheck.scenarios.scenario import DTYPES, MEGATRON_LAYOUTS, Scenario
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ class Capabilities:
     requirements, say), asked only once every capability above holds: a skip reason, or None to
     run it."""
 
-    layouts: frozenset[str] = frozenset(LAYOUTS)
+    # the Megatron family's four by default (what a target written before the sequence-parallel
+    # layouts supported): a target that runs ``ulysses`` says so
+    layouts: frozenset[str] = frozenset(MEGATRON_LAYOUTS)
     entropy: bool = True
     dtypes: frozenset[str] = frozenset(DTYPES)
     # applies RankInputs.keep_sets (a replayed top-p / top-k keep set per response token)
@@ -492,6 +494,12 @@ class RankInputs:
     rollout: Rollout | None = None
     # loss_form "step": the micro-batch's place in the training step
     step: StepInputs | None = None
+    # the DTensor family's sequence parallelism (layout ``ulysses``): the sp group (a real group
+    # of the ranks holding one sequence's slices, TP fastest as megatron orders ranks), this rank's
+    # place in it and its size; None / 0 / 1 for every other layout. Under sp, cp_group is None.
+    sp_group: Any = None
+    sp_rank: int = 0
+    sp_size: int = 1
 
     def row_labels(self) -> torch.Tensor:
         """The next token each local logit row predicts, rows flattened (``logits.view(-1, V/tp)``;

@@ -9,8 +9,13 @@ function per chunk (over TP: the row max and the target logit by all-reduce, the
 (and of p * s, with entropy) gathered and added in rank order, so that a row's bits do not
 depend on the rows around it); per-sample extraction for thd, bshd,
 zigzag CP; for all-gather CP, each rank's contiguous slice of every response is redistributed into
-zigzag shares by one differentiable all-reduce per result key. The entropy keeps its gradient only
-when entropy_coef != 0; the decision is made here, once, for every caller.
+zigzag shares by one differentiable all-reduce per result key. Under Ulysses sequence
+parallelism (sp), as verl's FSDP engine does it: the packed tokens rolled by one, padded to a
+multiple of sp and sliced as the logits are; each rank's per-row results, their padding removed,
+gathered over the sp group by one all-to-all (uneven splits; its backward the transposed
+all-to-all, summed); each response counted from the end of its sample, the samples from the end of
+the gathered stream (responses are right-aligned). The entropy keeps its gradient only when
+entropy_coef != 0; the decision is made here, once, for every caller.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardcheck.scenarios.scenario import LAYOUTS
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetBase
 
 
@@ -124,11 +130,32 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None, None
 
 
+class _GatherUnpadded(torch.autograd.Function):
+    """Every SP rank's rows (its padding removed: ``counts[r]`` rows from rank r, in rank order)
+    on every rank, by one all-to-all with uneven splits; backward: the transposed all-to-all, each
+    rank's rows of every peer's gradient summed (the gradient of a gathered copy on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group, comm):  # type: ignore[override]
+        ctx.counts, ctx.group, ctx.comm, ctx.mine = counts, group, comm, x.size(0)
+        sp = len(counts)
+        out = x.new_empty(sum(counts))
+        comm.all_to_all(out, torch.cat([x.contiguous()] * sp), counts, [x.size(0)] * sp, group, "gather")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        sp = len(ctx.counts)
+        back = grad.new_empty(ctx.mine * sp)
+        ctx.comm.all_to_all(back, grad.contiguous(), [ctx.mine] * sp, ctx.counts, ctx.group, "gather_grad")
+        return back.view(sp, ctx.mine).sum(0), None, None, None
+
+
 class BuiltinTarget(TargetBase):
     """shardcheck's own production-style implementation (all layouts, entropy, fp32/bf16/fp16)"""
 
     name = "builtin"
-    capabilities = Capabilities(replay_keep=True)
+    capabilities = Capabilities(replay_keep=True, layouts=frozenset(LAYOUTS))
     # What ``shardcheck invariance`` holds it to: the same sample gives the same bits in any
     # layout, packing, order or micro-batch, at a given tp. Across tp sizes the vocab sums are
     # split differently, so no bound is promised there (docs/invariance.md gives the measured figures).
@@ -154,6 +181,12 @@ class BuiltinTarget(TargetBase):
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, tensor.contiguous(), group=group)
         return parts
+
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group: Any, step: str) -> None:
+        """Every all-to-all goes through here (Ulysses' gather and its gradient: ``step`` gather,
+        gather_grad)."""
+        dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group)
 
     def normaliser(self, row_max: torch.Tensor) -> torch.Tensor:
         """What each row's scaled logits are shifted by before exp: the row's own maximum, so a
@@ -208,6 +241,18 @@ class BuiltinTarget(TargetBase):
             if 0 <= j < len(sets):
                 self._row_keep[local0 + k] = sets[j]
 
+    def ulysses_labels(self, rolled: torch.Tensor, sp_rank: int, n_rows: int) -> torch.Tensor:
+        """This SP rank's slice of the rolled, padded packed tokens: the rows its logits hold."""
+        return rolled[sp_rank * n_rows:(sp_rank + 1) * n_rows]
+
+    def ulysses_real_rows(self, packed: int, sp_rank: int, n_rows: int) -> int:
+        """How many of an SP rank's rows are real tokens (the rest is the padding to sp)."""
+        return max(0, min(n_rows, packed - sp_rank * n_rows))
+
+    def ulysses_gather(self, value: torch.Tensor, inputs: RankInputs, counts: list[int]) -> torch.Tensor:
+        """Every rank's real rows, in sequence order, on every rank (padding removed first)."""
+        return _GatherUnpadded.apply(value[:counts[inputs.sp_rank]], counts, inputs.sp_group, self)
+
     def contribution(self, value: torch.Tensor, before: int, response: int) -> torch.Tensor:
         """A sample's full-response vector holding this rank's all-gather slice (zeros elsewhere)."""
         return torch.nn.functional.pad(value, (before, response - before - value.numel()))
@@ -222,6 +267,8 @@ class BuiltinTarget(TargetBase):
             raise ValueError(f"logits must be 3-D, got shape {tuple(logits.shape)}")
         rows = logits.reshape(-1, logits.size(-1))
         self._row_keep = [None] * rows.size(0) if inputs.keep_sets is not None else None
+        if inputs.sp_size > 1:
+            return self.ulysses(rows, inputs)
         targets, slices = self.row_targets_and_slices(inputs, rows.size(0))
         log_prob, entropy = self.log_probs_and_entropy(rows, targets, inputs, self.entropy_grad_wanted(inputs))
         res = {"log_probs": self.extract(log_prob, slices, "log_probs")}
@@ -230,6 +277,37 @@ class BuiltinTarget(TargetBase):
         if inputs.allgather_cp:
             res = {k: self.redistribute_allgather(v, inputs, rows.size(0)) for k, v in res.items()}
         return RankOutputs(res["log_probs"], res.get("entropy"))
+
+    def ulysses(self, rows: torch.Tensor, inputs: RankInputs) -> RankOutputs:
+        """Ulysses sequence parallelism (the module docstring): this rank's slice of the packed
+        sequence in, every response token out."""
+        sp, n = inputs.sp_size, rows.size(0)
+        lengths = inputs.total_lengths
+        packed = sum(lengths)
+        tokens = torch.cat([t[:total] for t, total in zip(inputs.tokens, lengths)]).to(rows.device)
+        # row p predicts token p + 1 (a sample's last row predicts the next sample's first: unscored)
+        rolled = torch.nn.functional.pad(torch.roll(tokens, -1), (0, n * sp - packed + 1))
+        labels = self.ulysses_labels(rolled, inputs.sp_rank, n)
+        lo, seq_start = inputs.sp_rank * n, 0
+        for i, total in enumerate(lengths):  # the replayed keep sets of this slice's rows
+            a, b = max(lo, seq_start), min(lo + n, seq_start + total - 1)
+            if a < b:
+                self.keep_rows(inputs, i, a - lo, a - seq_start, b - a)
+            seq_start += total
+        log_prob, entropy = self.log_probs_and_entropy(rows, labels, inputs, self.entropy_grad_wanted(inputs))
+        counts = [self.ulysses_real_rows(packed, r, n) for r in range(sp)]
+        res = {"log_probs": log_prob}
+        if inputs.with_entropy:
+            res["entropy"] = entropy
+        out: dict[str, list[torch.Tensor]] = {}
+        for key, value in res.items():
+            stream = self.ulysses_gather(value, inputs, counts)
+            end, per_sample = stream.size(0), []
+            for total, response in reversed(list(zip(lengths, inputs.response_lengths))):
+                per_sample.append(stream[end - response - 1:end - 1])
+                end -= total
+            out[key] = per_sample[::-1]
+        return RankOutputs(out["log_probs"], out.get("entropy"))
 
     # -- vocab-parallel math, in chunks -------------------------------------------------
     def log_probs_and_entropy(

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardcheck.targets.base import Definitions, RankInputs, RankOutputs, StepSizes
+from shardcheck.scenarios.scenario import MEGATRON_LAYOUTS
 from shardcheck.targets.builtin import BuiltinTarget, share_ranges
 
 
@@ -37,7 +38,8 @@ class BuiltinLoss(BuiltinTarget):
     name = "builtin:loss"
     loss_form = "step"
     per_token = False  # megatron-core's calculate_per_token_loss
-    capabilities = dataclasses.replace(BuiltinTarget.capabilities, replay_keep=False, sampling=False)
+    capabilities = dataclasses.replace(BuiltinTarget.capabilities, replay_keep=False, sampling=False,
+                                       layouts=frozenset(MEGATRON_LAYOUTS))
     invariance: dict[str, str] = {}  # a step is checked against its objective, not across layouts
 
     @property

@@ -270,6 +270,43 @@ class KeepIdsUnshifted(Mutant):
         return [v for v in ids if 0 <= v < v_local]
 
 
+class UlyssesSliceOffByOne(Mutant):
+    """Ulysses SP slice off by one: each SP rank past the first takes its slice of the rolled
+    tokens one row late, so its rows score the token after the one they predict"""
+
+    expected = ("value_mismatch", None)
+    suite = "sequence_parallel"
+
+    def ulysses_labels(self, rolled: torch.Tensor, sp_rank: int, n_rows: int) -> torch.Tensor:
+        start = sp_rank * n_rows + (1 if sp_rank else 0)
+        return rolled[start:start + n_rows]
+
+
+class UlyssesPaddingKept(Mutant):
+    """Ulysses padding not removed before the gather: every SP rank sends its padding rows too, so
+    the gathered stream runs past the packed sequence and every response, counted from the
+    stream's end, is shifted by the padding"""
+
+    expected = ("value_mismatch", None)
+    suite = "sequence_parallel"
+
+    def ulysses_real_rows(self, packed: int, sp_rank: int, n_rows: int) -> int:
+        return n_rows
+
+
+class UlyssesSkipPaddingRank(Mutant):
+    """Ulysses all-to-all skipped on a rank with only padding: an SP rank none of whose rows is a
+    real token returns empty outputs without joining the gather; its peers wait in the all-to-all"""
+
+    expected = ("collective_mismatch", "forward")
+    suite = "sequence_parallel"
+
+    def ulysses_gather(self, value: torch.Tensor, inputs: RankInputs, counts: list[int]) -> torch.Tensor:
+        if counts[inputs.sp_rank] == 0:
+            return value[:0]
+        return super().ulysses_gather(value, inputs, counts)
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     "entropy_none": EntropyNone,
     "skip_empty_rank": SkipEmptyRank,
@@ -288,6 +325,9 @@ MUTANTS: dict[str, type[Mutant]] = {
     "packing_dependent": PackingDependent,
     "keep_wrong_half": KeepWrongHalf,
     "keep_ids_unshifted": KeepIdsUnshifted,
+    "ulysses_slice_off_by_one": UlyssesSliceOffByOne,
+    "ulysses_padding_kept": UlyssesPaddingKept,
+    "ulysses_skip_padding_rank": UlyssesSkipPaddingRank,
 }
 
 

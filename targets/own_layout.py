@@ -29,6 +29,8 @@ class OwnDataPath:
         return {}
 
     def builds(self, scenario: Scenario) -> str | None:
+        if scenario.sp > 1:  # a rollout carries no sp, and megatron's mpu has no sp group of its own
+            return f"{self.name} lays out the Megatron family's layouts, not {scenario.layout}"
         return None
 
     def local_tokens(self, rollout: Rollout) -> torch.Tensor:

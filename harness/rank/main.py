@@ -313,10 +313,11 @@ class RankRunner:
             chunk_size=sc.log_probs_chunk_size,
             max_seq_lens=[layout.shape[1]] * len(sc.samples) if sc.layout == "bshd" else None,
             tp_group=groups.tp_group(),
-            cp_group=groups.cp_group(),
+            # under sp the sequence axis is the sp group's: the target has no CP group
+            cp_group=groups.cp_group() if sc.sp == 1 else None,
             tp_rank=groups.tp_rank(),
             tp_size=sc.tp,
-            cp_rank=groups.cp_rank(),
+            cp_rank=groups.cp_rank() if sc.sp == 1 else 0,
             cp_size=sc.cp,
             rank_layout=layout,
             policy=shard.policy_batch(data, layout) if form == "policy" else None,
@@ -324,6 +325,9 @@ class RankRunner:
             top_k=sc.top_k,
             top_p=float(sc.top_p),
             rollout=rollout,
+            sp_group=groups.sp_group(),
+            sp_rank=groups.cp_rank() if sc.sp > 1 else 0,
+            sp_size=sc.sp,
         )
 
     def _run(self, scenario_dict: dict[str, Any], config: RunConfig, frame: Any, pipeline: Any) -> tuple[dict, dict | None]:
@@ -344,7 +348,7 @@ class RankRunner:
 
         sc = Scenario.from_dict(scenario_dict)
         target = self.target(config.target, config)
-        groups.configure(sc.tp, sc.cp)
+        groups.configure(sc.tp, sc.cp, sc.sp)
         form = loss_form(target)
         if form == "step":  # the whole training step around the target (harness/rank/life/training_step.py)
             from shardcheck.harness.rank.life.training_step import run_step
@@ -382,8 +386,9 @@ class RankRunner:
         else:
             # Differentiate whatever is well formed, so a malformed output on one rank does not
             # leave its peers alone in a backward collective. Where a field is owed gathered,
-            # every CP rank's loss is the whole sequence's / cp.
-            lp_scale, ent_scale = (sc.cp if over == "gathered" else 1
+            # every CP rank's loss is the whole sequence's / cp; under sp every rank owes every
+            # token (gathered), and its loss is the whole sequence's / sp.
+            lp_scale, ent_scale = (sc.sp * (sc.cp if over == "gathered" else 1)
                                    for over in (defined.loss_over, defined.entropy_loss_over))
             weights = [(w_lp / lp_scale, w_ent / ent_scale) for (w_lp, _), (_, w_ent)
                        in zip(shard.share_weights(data, life.owed), shard.share_weights(data, life.owed_entropy))]

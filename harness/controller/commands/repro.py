@@ -85,7 +85,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: Failure | N
         "code": {"src": src, "variant": variant or None},
         "scenario": {
             "name": sc.name, "seed": sc.seed, "vocab": sc.vocab, "dtype": sc.dtype, "layout": sc.layout,
-            "tp": sc.tp, "cp": sc.cp, "temperature": float(sc.temperature), "entropy_coef": float(sc.entropy_coef),
+            "tp": sc.tp, "cp": sc.cp, "sp": sc.sp, "temperature": float(sc.temperature), "entropy_coef": float(sc.entropy_coef),
             "with_entropy": sc.with_entropy, "chunk_size": sc.log_probs_chunk_size,
             "totals": [s.total for s in sc.samples], "prompts": [s.prompt for s in sc.samples],
             "data_ids": [data_id(sc, i) for i in range(len(sc.samples))],
@@ -93,7 +93,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: Failure | N
             "data_path": built_by,
             "knobs": resolved_knobs(data_path(target), sc) if built else {},  # the data path's (pad_multiplier, ...)
         },
-        "ranks": [_rank(sc, r, layouts if built else None) for r in range(sc.tp * sc.cp)],
+        "ranks": [_rank(sc, r, layouts if built else None) for r in range(sc.tp * sc.seq)],
         "inplace": inplace,
         "tolerances": {d: {k: [t.atol, t.rtol] for k, t in tols.items()} for d, tols in TOLERANCES.items()},
     }
@@ -107,7 +107,7 @@ def script_text(spec: str, target: Any, scenario: Scenario, failure: Failure | N
     lines = text.count("\n")
     if lines >= MAX_LINES:  # a design limit, not the user's input: say so plainly
         raise BadInput(f"the script for {sc.name!r} would be {lines} lines; a script stays under {MAX_LINES} "
-                       f"(it holds a line of data a rank: tp * cp = {sc.tp * sc.cp})")
+                       f"(it holds a line of data a rank: tp * {'sp' if sc.sp > 1 else 'cp'} = {sc.tp * sc.seq})")
     return text
 
 
@@ -186,7 +186,8 @@ def needs_layouts(target: Any, sc: Scenario) -> bool:
 
 
 def _rank(sc: Scenario, rank: int, layouts: dict[int, dict[str, Any]] | None) -> dict[str, Any]:
-    """What global rank ``rank`` holds: megatron's order puts tp innermost (rank = cp_rank * tp + tp_rank).
+    """What global rank ``rank`` holds: megatron's order puts tp innermost (rank = cp_rank * tp + tp_rank;
+    under sp, cp_rank is the rank's place in the sp group).
     The rows are the framework's where ``layouts`` has them; the share (what the rank returns) is the harness's."""
     lay = rank_layout(sc, rank % sc.tp, rank // sc.tp)
     rows = {"pieces": [[p.stream, p.start, p.stop] for p in lay.pieces], "shape": list(lay.shape)}

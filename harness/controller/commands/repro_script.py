@@ -96,13 +96,14 @@ def run_rank(rank, world, folder, code, backend):
     try:
         torch.cuda.set_device(device) if backend == "nccl" else None  # nccl: a GPU a rank
         with open(os.path.join(folder, f"calls.{rank}"), "w") as log:
-            for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
+            for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"):
                 setattr(dist, name, logged(name, getattr(dist, name), log))
             dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=GIVE_UP_S))  # hangs: main's progress watch
-            tp, cp = sc["tp"], sc["cp"]
-            tp_groups = [dist.new_group([c * tp + r for r in range(tp)]) for c in range(cp)]
-            cp_groups = [dist.new_group([c * tp + r for c in range(cp)]) for r in range(tp)]
+            tp, cp, sp = sc["tp"], sc["cp"], sc.get("sp", 1)  # the sequence axis: cp or sp, the other is 1
+            tp_groups = [dist.new_group([c * tp + r for r in range(tp)]) for c in range(cp * sp)]
+            cp_groups = [dist.new_group([c * tp + r for c in range(cp * sp)]) for r in range(tp)]
+            seq = dict(cp_group=None, cp_rank=0, sp_group=cp_groups[layout["tp_rank"]], sp_rank=layout["cp_rank"], sp_size=sp) if sp > 1 else dict(cp_group=cp_groups[layout["tp_rank"]], cp_rank=layout["cp_rank"])
             leaf = rank_rows(sc, layout).to(device).requires_grad_()
             logits = leaf.clone()  # a model's output: not a leaf
             samples = range(len(sc["totals"]))
@@ -111,8 +112,8 @@ def run_rank(rank, world, folder, code, backend):
                 response_lengths=[sc["totals"][i] - sc["prompts"][i] for i in samples], layout=sc["layout"],
                 with_entropy=sc["with_entropy"], entropy_coef=sc["entropy_coef"], temperature=sc["temperature"],
                 chunk_size=sc["chunk_size"], max_seq_lens=[layout["shape"][1]] * len(samples) if sc["layout"] == "bshd" else None,
-                tp_group=tp_groups[layout["cp_rank"]], cp_group=cp_groups[layout["tp_rank"]], tp_rank=layout["tp_rank"],
-                tp_size=tp, cp_rank=layout["cp_rank"], cp_size=cp, share=layout["share"], data_path=sc["data_path"], knobs=sc["knobs"],
+                tp_group=tp_groups[layout["cp_rank"]], tp_rank=layout["tp_rank"], **seq,
+                tp_size=tp, cp_size=cp, share=layout["share"], data_path=sc["data_path"], knobs=sc["knobs"],
                 rows=[(s, p) for s, a, b in layout["pieces"] for p in range(a, b)], **code)  # (sample, position) a row
             given = [logits.detach().clone()] + [t.clone() for t in info.tokens]
             with Writes([logits, *info.tokens]) as writes:
@@ -123,7 +124,7 @@ def run_rank(rank, world, folder, code, backend):
             found["log_probs"], found["entropy"] = keep(log_probs), keep(entropy)
             outs, feed = [], []
             for i, share in enumerate(layout["share"]):
-                w = loss_weights(sc, i)[:, share].to(device)
+                w = loss_weights(sc, i)[:, share].to(device) / sc.get("sp", 1)  # under sp: every rank's loss / sp
                 outs.append(log_probs[i]), feed.append(w[0].to(getattr(log_probs[i], "dtype", torch.float32)))
                 if sc["with_entropy"] and entropy is not None:
                     outs.append(entropy[i]), feed.append((-sc["entropy_coef"] * w[1]).to(getattr(entropy[i], "dtype", torch.float32)))
@@ -235,7 +236,7 @@ def watch(procs, folder):  # (hung, slow): the ranks alive with neither CPU time
 
 
 def main(code, inplace, backend="gloo"):
-    world = CASE["scenario"]["tp"] * CASE["scenario"]["cp"]
+    world = CASE["scenario"]["tp"] * CASE["scenario"]["cp"] * CASE["scenario"].get("sp", 1)
     with tempfile.TemporaryDirectory(prefix="repro-") as folder:
         ctx = multiprocessing.get_context("fork")  # torch is loaded once; nothing of it has run yet
         procs = [ctx.Process(target=run_rank, args=(r, world, folder, code, backend), daemon=True) for r in range(world)]
@@ -263,7 +264,7 @@ if __name__ == "__main__":
     ap.add_argument("--no-inplace", action="store_true", help="do not check for inputs changed in place")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: a GPU a rank, the logits on it")
     args = ap.parse_args()
-    if args.backend == "nccl" and torch.cuda.device_count() < CASE["scenario"]["tp"] * CASE["scenario"]["cp"]:
+    if args.backend == "nccl" and torch.cuda.device_count() < CASE["scenario"]["tp"] * CASE["scenario"]["cp"] * CASE["scenario"].get("sp", 1):
         ap.error(f"--backend nccl: a GPU a rank, and this machine has {torch.cuda.device_count()}")
     sys.exit(main({"src": args.src, "variant": None if args.variant in (None, "none") else args.variant},
                   CASE["inplace"] and not args.no_inplace, args.backend))

@@ -152,7 +152,7 @@ def _run(scenarios: Sequence[Scenario], config: RunConfig, *, reporter: Reporter
         knobs = knob_skip_reason(target, sc)  # first: a knob value it cannot take is bad input, skipped or not
         reason = step_skip_reason(target, sc) or target.capabilities.skip_reason(sc) or knobs
         if reason is None and given is not None and given % sc.ranks:
-            sizes = f"dp*tp*cp={sc.ranks}" if sc.dp > 1 else f"tp*cp={sc.ranks}"
+            sizes = ("dp*" if sc.dp > 1 else "") + ("tp*sp" if sc.sp > 1 else "tp*cp") + f"={sc.ranks}"
             reason = f"needs {sizes} ranks to divide the world size {given}"
         if reason is not None:
             skips[i] = reason

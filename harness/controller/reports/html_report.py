@@ -115,14 +115,16 @@ def _summary(report: SavedReport) -> list[str]:
                            for v in ("pass", "fail", "skip", "timeout"))
                  + "<label>kind <select name=kind><option value=''>any</option>"
                  + "".join(f"<option>{_e(k)}</option>" for k in kinds) + "</select></label></form>")
-    lines.append("<table id=scenarios><tr><th>scenario<th>layout<th>tp<th>cp<th>verdict<th>kinds<th>detail</tr>")
+    with_sp = any(v.scenario.sp > 1 for v in report.verdicts)  # an sp column only where one is sequence parallel
+    lines.append("<table id=scenarios><tr><th>scenario<th>layout<th>tp<th>cp" + ("<th>sp" if with_sp else "")
+                 + "<th>verdict<th>kinds<th>detail</tr>")
     for v in report.verdicts:
         sc, verdict = v.scenario, v.status
         detail = v.reason or "; ".join(f.message[:160] for f in v.failures[:1])
         name = _e(sc.name)
         link = f"<a href='#sc-{name}'>{name}</a>" if verdict == FAIL else name
         lines.append(f"<tr class={_e(verdict)} data-kinds='{_e(' '.join(v.kinds))}'><td>{link}"
-                     f"<td>{_e(sc.layout)}<td>{_e(sc.tp)}<td>{_e(sc.cp)}"
+                     f"<td>{_e(sc.layout)}<td>{_e(sc.tp)}<td>{_e(sc.cp)}" + (f"<td>{_e(sc.sp)}" if with_sp else "") +
                      f"<td>{_e(verdict.upper() if verdict == FAIL else verdict)}<td>{_e(', '.join(v.kinds))}"
                      f"<td>{_e(detail)}</tr>")
     lines.append("</table>")
@@ -345,10 +347,11 @@ def _layout_map(sc: Scenario, built: dict[int, dict[str, Any]]) -> list[str]:
     from shardcheck.scenarios.layout import Piece, RankLayout, rank_layout
 
     by = next(iter(built.values()))["built_by"] if built else "shardcheck"
-    out = [f"<h3>Layout map: {_e(sc.layout)}, tp {sc.tp} x cp {sc.cp}, rows laid out by {_e(by)} (one strip per "
+    seq = f"sp {sc.sp}" if sc.sp > 1 else f"cp {sc.cp}"
+    out = [f"<h3>Layout map: {_e(sc.layout)}, tp {sc.tp} x {seq}, rows laid out by {_e(by)} (one strip per "
            "rank; colour: sample; faint: prompt rows, solid: rows scoring a response token, hatched: padding)</h3>"
            "<div class=layout>"]
-    for cp_rank in range(sc.cp):
+    for cp_rank in range(sc.seq):
         for tp_rank in range(sc.tp):
             lay = rank_layout(sc, tp_rank, cp_rank)
             rank = cp_rank * sc.tp + tp_rank

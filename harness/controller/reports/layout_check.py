@@ -27,10 +27,11 @@ def _rows(layout: dict[str, Any], scenario: Scenario) -> list[tuple[int, int] | 
 
 def coverage_failures(scenario: Scenario, layouts: dict[int, dict[str, Any]]) -> list[Failure]:
     """Findings about the layouts of every rank (world rank -> payload); data-parallel replicas
-    (world ranks past tp * cp) are checked each on their own, when every rank of one sent its."""
+    (world ranks past tp * cp, or tp * sp) are checked each on their own, when every rank of one
+    sent its."""
     if not layouts:
         return []
-    per_replica = scenario.tp * scenario.cp
+    per_replica = scenario.tp * scenario.seq
     replicas: dict[int, dict[int, dict[str, Any]]] = {}
     for rank, lay in layouts.items():
         replicas.setdefault(rank // per_replica, {})[rank] = lay

@@ -326,10 +326,12 @@ def suite_order(scenarios: list[Scenario]) -> dict[int, int]:
 def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = None) -> str:
     """The table, each failure, and the summary (``planned``: how many were asked for, when the
     run may have stopped before giving each a verdict)."""
-    rows = [("scenario", "layout", "tp", "cp", "verdict", "time", "detail")]
+    # an sp column only where some scenario is sequence parallel (the DTensor family's layouts)
+    with_sp = any(v.scenario.sp > 1 for v in verdicts)
+    rows = [("scenario", "layout", "tp", "cp", *(("sp",) if with_sp else ()), "verdict", "time", "detail")]
     for v in verdicts:
         sc = v.scenario
-        rows.append((one_line(sc.name), sc.layout, str(sc.tp), str(sc.cp),
+        rows.append((one_line(sc.name), sc.layout, str(sc.tp), str(sc.cp), *((str(sc.sp),) if with_sp else ()),
                      v.status.upper() if v.status in (FAIL, ERROR) else v.status,
                      f"{v.seconds:.2f}s" if v.status != SKIP else "-", clip(v.headline(), 90)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]

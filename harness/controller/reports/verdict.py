@@ -74,6 +74,7 @@ class Verdict:
             "layout": sc.layout,
             "tp": sc.tp,
             "cp": sc.cp,
+            **({"sp": sc.sp} if sc.sp > 1 else {}),
             "verdict": self.status,
             "kinds": self.kinds,
             "reason": self.reason,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 
-from shardcheck.scenarios.layout import allgather_pieces, zigzag_positions
+from shardcheck.scenarios.layout import allgather_pieces, ulysses_local_rows, zigzag_positions
 from shardcheck.scenarios.scenario import Scenario
 
 # The data path's own figures (mirrored: their modules import torch; tests check they agree).
@@ -45,6 +45,8 @@ def local_pieces(sc: Scenario, cp_rank: int) -> list[Run]:
         return [(i, 0, m) for i in range(len(samples))]
     if sc.layout == "zigzag":
         return [(i, r.start, r.stop) for i, s in enumerate(samples) for r in zigzag_positions(s.total, sc.cp, cp_rank)]
+    if sc.layout == "ulysses":
+        return [(p.stream, p.start, p.stop) for p in allgather_pieces(sc, cp_rank, ulysses_local_rows(sc))]
     return [(p.stream, p.start, p.stop) for p in allgather_pieces(sc, cp_rank)]
 
 
@@ -176,7 +178,7 @@ def scenario_bytes(scenario: Scenario, *, reference: bool = True, outputs: bool 
     only in which columns they keep, data-parallel replicas repeat one of them). Why it is what
     it is: :func:`rank_bytes`. An estimate, within about 25 % of the measured peaks, mostly
     above; the target's own share is the builtin target's."""
-    return max(rank_bytes(scenario, r, reference=reference, outputs=outputs) for r in range(scenario.cp))
+    return max(rank_bytes(scenario, r, reference=reference, outputs=outputs) for r in range(scenario.seq))
 
 
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(Scenario) if f.name not in ("name", "description", "seed"))

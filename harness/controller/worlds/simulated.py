@@ -99,7 +99,7 @@ class FakeWorld:
 
         self.ensure_ready()
         self._seq += 1
-        world = int(scenario.get("dp", 1)) * int(scenario["tp"]) * int(scenario.get("cp", 1))  # a copy: dp x tp x cp
+        world = int(scenario.get("dp", 1)) * int(scenario["tp"]) * int(scenario.get("cp", 1)) * int(scenario.get("sp", 1))  # a copy: dp x tp x cp x sp
         used = self._children[:max(1, min(len(self._children), world // RANKS_A_PROCESS))]
         share = -(-world // len(used))
         results, labels = [], {}

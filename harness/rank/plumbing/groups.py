@@ -27,7 +27,7 @@ from typing import Any
 DEFAULT_TIMEOUT_S = 60.0
 
 # the (tp, cp) parallel_state holds now; None: none built here, or the world was left
-_config: tuple[int, int] | None = None
+_config: tuple[int, int, int] | None = None
 _timeout_s: float = DEFAULT_TIMEOUT_S
 # parallel_state's data globals as this module found them (after destroy_model_parallel), taken
 # before the first layout it builds in a world: what every layout's values are told apart from,
@@ -128,15 +128,22 @@ def _shared_rank_lists(ps: Any) -> Iterator[None]:
         ps.generate_masked_orthogonal_rank_groups, ps.create_group = generate, create
 
 
-def configure(tp: int, cp: int) -> None:
+def configure(tp: int, cp: int, sp: int = 1) -> None:
     """Make (tp, cp) the current model-parallel layout: built by megatron-core the first time it
     is asked for in this world, put back from :data:`_built` after that (the module docstring).
 
     Every rank must call this with the same arguments in the same order (group creation is
     collective). Ranks are ordered TP-fastest, then CP, then data parallel, as megatron does.
+
+    ``sp`` (the DTensor family's sequence parallelism, with cp 1): the sequence axis is then the
+    sp group, built as megatron builds a CP group of that size (the same ranks a Ulysses group
+    holds: TP fastest, then the sequence); :func:`sp_group` names it, and the trace labels it sp.
     """
     global _config, _clean
-    if _config == (tp, cp):
+    if _config == (tp, cp, sp):
+        return
+    if _config is not None and (_config[0], _config[1] * _config[2]) == (tp, cp * sp):
+        _config = (tp, cp, sp)  # the same groups, the sequence axis named otherwise
         return
     from megatron.core import parallel_state as ps
 
@@ -144,6 +151,7 @@ def configure(tp: int, cp: int) -> None:
     _config = None
     if _clean is None:
         _clean = _data_globals(ps)
+    cp = cp * sp  # the sequence axis's groups, whichever family shards it
     layout = _built.get((tp, cp))
     if layout is None:
         # from the state megatron starts from in a fresh process, less what it holds of nothing
@@ -159,7 +167,7 @@ def configure(tp: int, cp: int) -> None:
         now = _data_globals(ps)
         layout = _built[(tp, cp)] = {k: v for k, v in now.items() if k not in _clean or v is not _clean[k]}
     _put(ps, layout)
-    _config = (tp, cp)
+    _config = (tp, cp // sp, sp)
 
 
 def _data_globals(ps: Any) -> dict[str, Any]:
@@ -189,7 +197,17 @@ def tp_group() -> Any:
 
 
 def cp_group() -> Any:
+    """Megatron's context-parallel group: the sequence axis's (under sp, the sp group's ranks)."""
     return _ps().get_context_parallel_group()
+
+
+def sp_group() -> Any:
+    """The sequence-parallel group of an sp layout (:func:`configure`); None without one."""
+    return cp_group() if sp_size() > 1 else None
+
+
+def sp_size() -> int:
+    return _config[2] if _config is not None else 1
 
 
 def dp_cp_group() -> Any:
@@ -236,7 +254,7 @@ def label(group_name: str) -> str:
     if _config is None:
         return ""
     ps = _ps()
-    getters = [("tp", ps.get_tensor_model_parallel_group), ("cp", ps.get_context_parallel_group),
+    getters = [("tp", ps.get_tensor_model_parallel_group), ("sp" if sp_size() > 1 else "cp", ps.get_context_parallel_group),
                ("dp", ps.get_data_parallel_group)]
     for name, get in getters:
         try:

@@ -34,7 +34,7 @@ FAKE = "fake"
 def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, checks: Checks,
               ranks: list[int], starting: Any = None, share_rank_lists: bool = True,
               ) -> list[tuple[RankResult, dict[str, str]]]:
-    """The scenario on each of ``ranks`` of its ``dp * tp * cp`` world in turn: per rank, its result
+    """The scenario on each of ``ranks`` of its ``dp * tp * cp * sp`` world in turn: per rank, its result
     (with its whole trace) and what each group it called in is for ("tp", "cp", ...).
     ``starting(rank)`` is told as each begins (the controller's deadline follows it).
     ``share_rank_lists``: megatron's rank lists computed once for the layout, only the rank's own
@@ -46,7 +46,7 @@ def run_ranks(runner: Any, scenario: dict[str, Any], target: str, seq: int, chec
     from shardcheck.harness.rank.plumbing import groups
     from shardcheck.harness.rank.plumbing import trace
 
-    world = int(scenario.get("dp", 1)) * int(scenario["tp"]) * int(scenario.get("cp", 1))
+    world = int(scenario.get("dp", 1)) * int(scenario["tp"]) * int(scenario.get("cp", 1)) * int(scenario.get("sp", 1))
     traced = dataclasses.replace(checks, trace_calls=True, reference=False)
     out = []
     groups.share_rank_lists(share_rank_lists)
