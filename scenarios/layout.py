@@ -13,6 +13,7 @@ by rows [P - 1, L - 1); response token j is scored by row P - 1 + j.
 - ulysses (sp = s): the packed sequence, padded at its end to a multiple of s, is cut into s
   contiguous slices (verl's ``ulysses_pad_and_slice_inputs``); SP rank r holds slice r, over the
   whole vocabulary or its TP shard. Its outputs are gathered back over the sp group.
+- ring (sp = s): OpenRLHF's ring-attention split, the same rows as ulysses.
 For cp > 1 a rank returns, per sample, the response tokens its zigzag chunks score (maybe none);
 under sp every rank returns every response token (gathered), and takes its loss over them
 divided by sp (the gather's backward hands each rank its own rows' share).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardcheck.scenarios.scenario import Scenario
+from shardcheck.scenarios.scenario import SP_LAYOUTS, Scenario
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def rank_layout(scenario: Scenario, tp_rank: int, cp_rank: int) -> RankLayout:
     elif sc.layout == "allgather":
         pieces = allgather_pieces(sc, cp_rank)
         shape = (1, allgather_local_rows(sc), v_local)
-    elif sc.layout == "ulysses":
+    elif sc.layout in SP_LAYOUTS:
         pieces = allgather_pieces(sc, cp_rank, ulysses_local_rows(sc))
         shape = (1, ulysses_local_rows(sc), v_local)
     else:  # validation makes this unreachable; keep the error named

@@ -17,12 +17,14 @@ from shardcheck.errors import BadInput
 from shardcheck.scenarios.batch import replica_micro_batches, token_budget_split
 
 # thd, bshd and the Megatron family's context-parallel layouts (zigzag ring CP, all-gather CP),
-# then the DTensor family's sequence-parallel ones (Ulysses: the packed sequence cut into sp
-# contiguous slices, its outputs gathered back)
-LAYOUTS = ("thd", "bshd", "zigzag", "allgather", "ulysses")
+# then the other family's sequence-parallel ones: ulysses (verl's, AReaL's Ulysses) and ring
+# (OpenRLHF's ring attention) cut the packed sequence, padded to a multiple of sp, into sp
+# contiguous slices and gather the outputs back; their rows are the same, the attention that
+# shards them is not, and a target names the one it runs
+LAYOUTS = ("thd", "bshd", "zigzag", "allgather", "ulysses", "ring")
 MEGATRON_LAYOUTS = ("thd", "bshd", "zigzag", "allgather")
 CP_LAYOUTS = ("zigzag", "allgather")
-SP_LAYOUTS = ("ulysses",)
+SP_LAYOUTS = ("ulysses", "ring")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -45,7 +45,7 @@ def local_pieces(sc: Scenario, cp_rank: int) -> list[Run]:
         return [(i, 0, m) for i in range(len(samples))]
     if sc.layout == "zigzag":
         return [(i, r.start, r.stop) for i, s in enumerate(samples) for r in zigzag_positions(s.total, sc.cp, cp_rank)]
-    if sc.layout == "ulysses":
+    if sc.sp > 1:
         return [(p.stream, p.start, p.stop) for p in allgather_pieces(sc, cp_rank, ulysses_local_rows(sc))]
     return [(p.stream, p.start, p.stop) for p in allgather_pieces(sc, cp_rank)]
 
