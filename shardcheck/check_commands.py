@@ -279,7 +279,8 @@ class Fuzz(Command):
         config = run_config(args)
         settings = SimpleNamespace(
             max_examples=args.max_examples, seed=args.seed, tp=args.tp or fuzz.DEFAULT_TP,
-            cp=args.cp or fuzz.DEFAULT_CP, layouts=args.layout, nproc=args.nproc, max_shrinks=args.max_shrinks,
+            cp=args.cp or fuzz.DEFAULT_CP, sp=args.sp, layouts=args.layout, nproc=args.nproc,
+            max_shrinks=args.max_shrinks,
             timeout=args.timeout, quiet=args.quiet, out=args.out or fuzz.DEFAULT_OUT, html_report=args.html_report,
             repeat=repeat_args(args))
         return Plan(config, None, settings, args)
@@ -305,7 +306,7 @@ class Fuzz(Command):
         with in_effect(config):
             try:
                 result = fuzz.fuzz(
-                    config.target, max_examples=s.max_examples, seed=s.seed, tp=s.tp, cp=s.cp, layouts=s.layouts,
+                    config.target, max_examples=s.max_examples, seed=s.seed, tp=s.tp, cp=s.cp, sp=s.sp, layouts=s.layouts,
                     nproc=s.nproc, max_shrinks=s.max_shrinks, timeout=s.timeout, lockstep=config.lockstep,
                     backend=config.backend, progress=progress, on_start=on_start, inplace=config.inplace,
                 )
@@ -360,7 +361,7 @@ class Simulate(Command):
         scenarios = select(args) if (args.suite or args.scenario_file) else None
         # simulate.main reads the command line itself: these are what it takes from it
         settings = SimpleNamespace(**{k: getattr(args, k) for k in (
-            "timeout", "quiet", "max_examples", "seed", "tp", "cp", "layout", "max_shrinks", "max_world", "out",
+            "timeout", "quiet", "max_examples", "seed", "tp", "cp", "sp", "layout", "max_shrinks", "max_world", "out",
             "no_replay")}, repeat=repeat_args(args))
         return Plan(config, tuple(scenarios) if scenarios is not None else None, settings, args)
 

@@ -150,6 +150,9 @@ def search_options(p: argparse.ArgumentParser, *, tp: str, cp: str) -> None:
                    help=f"tensor-parallel sizes to draw from, e.g. 1,2 (default: {tp})")
     p.add_argument("--cp", type=int_list, default=None, metavar="LIST",
                    help=f"context-parallel sizes to draw from (default: {cp})")
+    p.add_argument("--sp", type=int_list, default=None, metavar="LIST",
+                   help="sequence-parallel sizes the sp layouts (ulysses, ring) are drawn at, e.g. 8,16,32,64 "
+                        "(default: the cp sizes)")
     p.add_argument("--layout", type=name_list, default=None, metavar="LIST",
                    help="layouts to draw from, e.g. zigzag,allgather (default: all the target supports)")
     p.add_argument("--max-shrinks", type=int, default=300, metavar="N",

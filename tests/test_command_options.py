@@ -87,6 +87,7 @@ def _value(action: argparse.Action, base: list[str], tmp: Path) -> list[str]:
         "expect": ["packing=bitwise"],
         "tp": ["1,2"],
         "cp": ["1,2"],
+        "sp": ["8,16"],
         "layout": ["thd"],
         "good": ["HEAD~2"],
         "bad": ["HEAD~1"],

@@ -151,3 +151,17 @@ def test_smoke_covers_the_edge_shapes():
     assert any(no_local_scored(s) for s in SMOKE if s.layout == "allgather")
     assert any(spans_boundary(s) for s in SMOKE if s.cp > 1)
     assert any(chunk_not_dividing(s) for s in SMOKE)
+
+
+@pytest.mark.parametrize("layout", ["ulysses", "ring"])
+def test_the_sp_layouts_cut_the_padded_packed_sequence_into_contiguous_slices(layout):
+    # 5 + 4 = 9 tokens padded to 12 over sp 4: 3 rows a rank, rank 3 only padding (stream 2 is
+    # the tail padding); every rank owes every response token (its outputs are gathered)
+    sc = Scenario("u", [[5, 2], [4, 3]], vocab=8, tp=2, sp=4, layout=layout)
+    assert sc.ranks == 8 and sc.seq == 4 and sc.to_dict()["sp"] == 4 and Scenario.from_dict(sc.to_dict()) == sc
+    pieces = [[(p.stream, p.start, p.stop) for p in rank_layout(sc, 1, r).pieces] for r in range(4)]
+    assert pieces == [[(0, 0, 3)], [(0, 3, 5), (1, 0, 1)], [(1, 1, 4)], [(2, 0, 3)]]
+    for r in range(4):
+        lay = rank_layout(sc, 1, r)
+        assert lay.shape == (1, 3, 4) and lay.columns == (4, 8) and lay.share == ((0, 1), (0, 1, 2))
+    assert "sp" not in Scenario("t", [[5, 2]], vocab=8).to_dict()  # written when on: older files hold

@@ -65,6 +65,23 @@ def test_every_hang_mutant_is_caught_by_simulation(fake, name):
     assert found[0].details.get("simulated") and " call " in found[0].message
 
 
+def test_sequence_parallel_layouts_are_simulated_at_sp_8_to_64():
+    # a packed sequence of sp + 3 tokens: 2 rows a rank, the ranks past the middle hold only padding
+    sizes = (8, 16, 32, 64)
+    scenarios = [Scenario(f"{layout}-sp{sp}", (Sample(sp + 3, 2),), vocab=4, sp=sp, layout=layout, seed=sp)
+                 for sp in sizes for layout in ("ulysses", "ring")]
+    with FakeWorld(list(sizes), timeout=60) as world:
+        good = runner.run(scenarios, "builtin", reporter=SilentReport(), world=world).verdicts
+        bad = runner.run(scenarios, "builtin:ulysses_skip_padding_rank", reporter=SilentReport(), world=world).verdicts
+    assert [v.status for v in good] == ["pass"] * len(scenarios), [v.headline() for v in good]
+    for v in bad:  # every size: the padding-only ranks skip the gather, the others wait in it
+        [hang] = [f for f in v.failures if f.kind == "collective_mismatch"]
+        assert hang.phase == "forward" and "sp group" in hang.message and "all_to_all_single" in hang.message
+        sp = v.scenario.sp
+        gone = sorted(int(r) for r, side in hang.details["sides"].items() if "finished_after" in side)
+        assert hang.ranks == list(range(sp)) and gone == list(range(-(-(sp + 3) // 2), sp)), (v.scenario.name, gone)
+
+
 def test_simulate_without_the_input_check_passes_a_target_known_to_write_into_its_logits(fake):
     """The simulated world takes the run's input check like any other: builtin:inplace_temperature
     divides the logits it is given by 0.9 (input_mutated), and with the check off (``simulate

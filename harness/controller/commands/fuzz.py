@@ -32,7 +32,7 @@ from shardcheck.harness.controller.reports.run_report import SilentReport
 from shardcheck.harness.controller.reports.verdict import ERROR, FAIL, PASS, SKIP, Verdict
 from shardcheck.harness.controller.worlds.choice import World, world_for
 from shardcheck.scenarios import strategies
-from shardcheck.scenarios.scenario import LAYOUTS, Scenario
+from shardcheck.scenarios.scenario import LAYOUTS, SP_LAYOUTS, Scenario
 
 DEFAULT_DATABASE = ".shardcheck/hypothesis"
 DEFAULT_OUT = ".shardcheck/fuzz-failure.json"
@@ -168,19 +168,25 @@ class _Search:
 
 
 def plan_world(tp: Sequence[int], cp: Sequence[int], layouts: Sequence[str],
-               nproc: int | None, max_ranks: int = MAX_RANKS) -> tuple[int, list[tuple[int, int]]]:
-    """The world size and the (tp, cp) pairs a search draws from: every pair whose tp * cp
-    divides the world, so data-parallel replicas fill it (as a suite run does)."""
-    for name, values in (("tp", tp), ("cp", cp)):
+               nproc: int | None, max_ranks: int = MAX_RANKS,
+               sp: Sequence[int] | None = None) -> tuple[int, list[tuple[int, int]]]:
+    """The world size and the (tp, sequence size) pairs a search draws from: every pair whose
+    product divides the world, so data-parallel replicas fill it (as a suite run does). The
+    sequence size is a cp (``cp``) for the Megatron family's layouts and an sp (``sp``, default
+    ``cp``) for the sequence-parallel ones."""
+    sp = cp if sp is None else sp
+    for name, values in (("tp", tp), ("cp", cp), ("sp", sp)):
         if not values:
             raise BadInput(f"--{name} needs at least one value")
         for v in values:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise BadInput(f"--{name} values must be integers >= 1, got {v!r}")
-    pairs = sorted({(t, c) for t in tp for c in cp if any(strategies.layout_fits(name, c) for name in layouts)})
+    pairs = sorted({(t, c) for t in tp for c in sorted(set(cp) | set(sp))
+                    if any(drawable(name, c, cp, sp) for name in layouts)})
     if not pairs:
-        raise BadInput(f"no tp in {sorted(tp)} and cp in {sorted(cp)} fits the layouts {list(layouts)} "
-                       "(thd and bshd need cp 1, zigzag and allgather cp >= 2)")
+        raise BadInput(f"no tp in {sorted(tp)} and cp in {sorted(cp)} (sp in {sorted(sp)}) fits the layouts "
+                       f"{list(layouts)} (thd and bshd need cp 1, zigzag and allgather cp >= 2, ulysses and ring "
+                       "sp >= 2)")
     if nproc is None:
         small = [t * c for t, c in pairs if t * c <= AUTO_MAX_RANKS]
         if not small:
@@ -192,6 +198,12 @@ def plan_world(tp: Sequence[int], cp: Sequence[int], layouts: Sequence[str],
     if not fitting:
         raise BadInput(f"no tp * cp among {sorted({t * c for t, c in pairs})} divides a world of {nproc} ranks")
     return nproc, fitting
+
+
+def drawable(layout: str, seq: int, cp: Sequence[int], sp: Sequence[int]) -> bool:
+    """Whether a search draws ``layout`` with its sequence over ``seq`` ranks: a size of its own
+    family's list (sp for the sequence-parallel layouts, cp for the others) that it fits."""
+    return strategies.layout_fits(layout, seq) and seq in (sp if layout in SP_LAYOUTS else cp)
 
 
 class _Namespaced(ExampleDatabase):
@@ -225,6 +237,7 @@ def fuzz(
     cp: Sequence[int] = DEFAULT_CP,
     layouts: Sequence[str] | None = None,
     nproc: int | None = None,
+    sp: Sequence[int] | None = None,
     max_samples: int = strategies.MAX_SAMPLES,
     max_total: int = strategies.MAX_TOTAL,
     max_shrinks: int = 300,
@@ -272,11 +285,12 @@ def fuzz(
     replay_keep = (False, True) if caps.replay_keep else (False,)  # shrinking heads to no keep sets
     sampling = strategies.SAMPLING if caps.sampling else ((0, 1.0),)
     tp = [t for t in tp if caps.tp_sizes is None or t in caps.tp_sizes]
+    sp = list(cp) if sp is None else list(sp)  # before cp is narrowed: the sp layouts' sizes are their own
     cp = [c for c in cp if caps.cp_sizes is None or c in caps.cp_sizes]
     if not tp or not cp:
         raise BadInput(f"target {target_spec!r} runs at none of the {'tp' if not tp else 'cp'} sizes asked for "
                        f"(it supports {sorted(caps.tp_sizes if not tp else caps.cp_sizes)})")
-    size, pairs = plan_world(tp, cp, usable, world.nproc if world is not None else nproc, max_ranks)
+    size, pairs = plan_world(tp, cp, usable, world.nproc if world is not None else nproc, max_ranks, sp)
     # the world is chosen before the search (nccl that cannot be had is BadInput now); it starts later
     chosen = world_for(size, given=world, backend=backend, timeout=timeout, lockstep=lockstep)
     seed = random.randrange(2**32) if seed is None else seed
@@ -286,10 +300,14 @@ def fuzz(
         entropy=entropy, dtype=dtype, replay_keep=replay_keep, sampling=sampling, max_samples=max_samples,
         max_total=max_total,
     )
+    if sorted(set(sp)) != sorted(set(cp)):  # each family at its own sizes
+        strategy = strategy.filter(lambda sc: drawable(sc.layout, sc.seq, cp, sp))
     active = chosen.world
     runs = _Search(result, target_spec, active, max_shrinks, progress, inplace)
     namespace = repr((target_spec, pairs, usable, size, max_samples, max_total, dtype, entropy, replay_keep,
                       sampling))
+    if sorted(set(sp)) != sorted(set(cp)):
+        namespace += f" sp={sorted(set(sp))}"
     if not inplace:  # failures of the input check are not this search's to try first
         namespace += " no-inplace"
     db = _Namespaced(DirectoryBasedExampleDatabase(database), namespace) if database is not None else None

@@ -45,18 +45,20 @@ def main(args: argparse.Namespace, scenarios: list[Scenario] | None, target_args
 def _search(args: argparse.Namespace, target_args: list[str]) -> int:
     from shardcheck.harness.controller.reports.fuzz_report import Progress, repro_offer, summary, write_minimal
     from shardcheck.scenarios.scenario import LAYOUTS
-    from shardcheck.scenarios.scenario import layout_fits
 
     tp, cp = args.tp or DEFAULT_TP, args.cp or DEFAULT_CP
+    sp = args.sp or cp
     layouts = args.layout or None
     names = layouts or LAYOUTS
-    sizes = sorted({t * c for t in tp for c in cp if any(layout_fits(n, c) for n in names)})
-    check_sizes(sizes, args.max_world, f"--tp {','.join(map(str, tp))} --cp {','.join(map(str, cp))}")
+    sizes = sorted({t * c for t in tp for c in sorted(set(cp) | set(sp)) if any(fuzz.drawable(n, c, cp, sp)
+                                                                                 for n in names)})
+    check_sizes(sizes, args.max_world, f"--tp {','.join(map(str, tp))} --cp {','.join(map(str, cp))}"
+                + (f" --sp {','.join(map(str, sp))}" if args.sp else ""))
     out = args.out or DEFAULT_OUT
     progress = Progress(quiet=args.quiet)
     with FakeWorld(sizes or [1], timeout=args.timeout) as world:
         try:
-            result = fuzz.fuzz(args.target, max_examples=args.max_examples, seed=args.seed, tp=tp, cp=cp,
+            result = fuzz.fuzz(args.target, max_examples=args.max_examples, seed=args.seed, tp=tp, cp=cp, sp=sp,
                                layouts=layouts, max_shrinks=args.max_shrinks, timeout=args.timeout, world=world,
                                progress=progress, max_ranks=max(world.nproc, 1), inplace=not args.no_inplace,
                                on_start=lambda plan: _header(plan, args.quiet))
