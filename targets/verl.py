@@ -745,6 +745,10 @@ def call_code_under_test(logits, rank):
 
 def _build(variant: str | None, config: TargetConfig) -> VerlTarget:
     refuse_loss_variant("verl", variant, config, LOSS_OPTIONS)
+    if variant == "fsdp":  # verl's FSDP engine (Ulysses SP): its own module
+        from shardcheck.targets.verl_fsdp import build
+
+        return build(variant, config)
     if variant is None:
         if config.get("call_site") is not None:
             raise BadInput("target 'verl': option call_site applies to verl:actor only")
@@ -761,4 +765,7 @@ target = CheckoutFactory(
                                "loss": "verl's policy loss in the training step: losses.py's ppo_loss (agg_loss, "
                                        "compute_policy_loss_vanilla) on the engine's model output, with the engine's "
                                        "global batch info and its rescale for megatron-core's schedule "
-                                       "(transformer_impl.py, compiled alone); option loss_agg_mode"})
+                                       "(transformer_impl.py, compiled alone); option loss_agg_mode",
+                               "fsdp": "verl's FSDP engine: FSDPEngineWithLMHead.prepare_model_inputs / "
+                                       "prepare_model_outputs (compiled alone) with verl's Ulysses pad, slice and "
+                                       "gather (layouts thd, bshd, ulysses; tp 1)"})

@@ -217,7 +217,7 @@ def test_variants_options_and_call_sites_are_checked(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     old = str(_fake_checkout(tmp_path / "old", legacy=LEGACY_ACTOR))
     bare = str(_fake_checkout(tmp_path / "bare"))
-    assert set(target.variants) == {"actor", "loss"}
+    assert set(target.variants) == {"actor", "fsdp", "loss"}
     assert set(target.options) == {"call_site", "entropy_chunking", "layout", "loss_agg_mode", "loss_scale_factor"}
     with pytest.raises(BadInput, match="no variant 'nope'"):
         target("nope", TargetConfig(old))

@@ -1,0 +1,351 @@
+"""verl's FSDP engine's log-prob and entropy path, with Ulysses sequence parallelism, from a source
+checkout: ``--target verl:fsdp``.
+
+What runs is verl's own code, from the checkout: the methods ``prepare_model_inputs`` and
+``prepare_model_outputs`` of ``FSDPEngineWithLMHead`` and the two helpers of ``FSDPEngine`` they
+call (``_get_packed_pad_size``, ``_gather_and_unpad_packed``), compiled alone from
+``verl/workers/engine/fsdp/transformer_impl.py`` (its path and line numbers kept: tracebacks and
+coverage name verl's lines). The module around them imports peft, transformers, FSDP's checkpoint
+manager and the engine registry; every name the methods read from outside themselves is bound as
+that file's own imports bind it (``verl_F``, ``tu``, ``ulysses_pad_and_slice_inputs``,
+``gather_outputs_and_unpad``, ``logprobs_from_logits``, ``pad_packed_inputs``, ...), each imported
+from the checkout. A name the file does not import, or one whose module cannot be imported, refuses
+the checkout in one line; nothing is guessed.
+
+``forward_step``'s sequence is followed: ``prepare_model_inputs(micro_batch)`` on the micro-batch
+verl's data path hands the engine (nested jagged ``input_ids`` and ``position_ids``, the scalar
+temperature, ``use_remove_padding``, ``calculate_entropy``), the model (here: the harness's logits
+for this rank, handed over as ``output.logits``), then ``prepare_model_outputs`` under the autocast
+``forward_step`` enters (the logits' dtype where it is bfloat16 or float16; none for float32, as the
+engine skips it, nor for float64). The engine rolls the packed ids by -1 on the whole sequence,
+pads and slices them (and the temperatures, padded with 1) with ``ulysses_pad_and_slice_inputs``,
+divides the logits by the clamped temperature, computes the entropy with ``entropy_from_logits``
+(``entropy_from_logits_with_chunking`` with the scenario's chunk size when it has one: verl's
+``entropy_from_logits_with_chunking`` engine option) and the log-probs with
+``logprobs_from_logits`` (``inplace_backward=False`` when the entropy is wanted), and gathers both
+over the Ulysses group with ``gather_outputs_and_unpad`` (whose backward scales the gradient by sp:
+the harness's contract for the sp layouts). The response tokens are cut from the nested outputs by
+``verl/workers/utils/padding.py::no_padding_2_padding``, as verl's losses do.
+
+The Ulysses group is set as the engine's ``EngineTrainModeCtx`` sets it: the previous group saved,
+``set_ulysses_sequence_parallel_group`` with the rank's sp group (None at sp 1), restored when
+``compute`` returns (the gather's backward keeps its group in its autograd context).
+
+The engine object is not built (its ``__init__`` builds the FSDP module, optimizer and device
+mesh): the compiled methods run on an object holding the attributes ``__init__`` and
+``_init_device_mesh`` set that they read (``use_ulysses_sp``, ``ulysses_sequence_parallel_size``,
+``pad_to_length`` off, ``engine_config``'s entropy fields, ``compute_entropy_from_logits`` picked as
+``__init__`` picks it, torch.compile running eagerly). The micro-batch is a dict with the keys verl's
+``TensorDict`` carries (tensordict is not installed here: where it is missing a stand-in whose
+``NonTensorData`` is a class is put in ``sys.modules`` while the target is loaded, so that
+``tu.unwrap_non_tensor_data``'s isinstance works).
+
+Not reached: the model's forward (the Ulysses attention's all-to-all, ``monkey_patch.py``), the
+fused-kernel path (``use_fused_kernels``: log-probs from hidden states), the static bucket pad
+(``pad_to_length``), VLMs (``ulysses_pad`` alone, sliced after the embedding), TP (verl's FSDP
+engine gathers DTensor logits with ``full_tensor()``; shardcheck's ``ulysses`` layout hands vocab
+shards), the distillation branches and ``sum_pi_squared``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.checkout import CheckoutTarget
+from shardcheck.targets.compiled import names_read
+from shardcheck.targets.stub import Stub
+from shardcheck.targets.verl import FRAMEWORK, REPLAY_WHY
+
+ENGINE_FILE = Path("verl/workers/engine/fsdp/transformer_impl.py")
+ENGINE_PACKAGE = "verl.workers.engine.fsdp"
+ULYSSES_FILE = Path("verl/utils/ulysses.py")
+TF_FILE = Path("verl/utils/torch_functional.py")
+PADDING_FILE = Path("verl/workers/utils/padding.py")
+ENGINE_UTILS_FILE = Path("verl/workers/engine/utils.py")
+PADDING_MODULE = "verl.workers.utils.padding"
+ULYSSES_MODULE = "verl.utils.ulysses"
+# (class, method): what runs of the engine file
+METHODS = (("FSDPEngineWithLMHead", "prepare_model_inputs"), ("FSDPEngineWithLMHead", "prepare_model_outputs"),
+           ("FSDPEngine", "_get_packed_pad_size"), ("FSDPEngine", "_gather_and_unpad_packed"))
+TP_WHY = ("verl's FSDP engine has no vocab-parallel log-prob code: under TP its logits are a DTensor it gathers "
+          "whole (full_tensor()) before log_softmax; shardcheck's layouts hand each TP rank its vocabulary shard")
+CP_WHY = "verl's FSDP engine has no context parallelism (its sequence parallelism is Ulysses: layout ulysses)"
+LAYOUT_WHY = (("zigzag", CP_WHY), ("allgather", CP_WHY),
+              ("ring", "ring attention's split is OpenRLHF's; verl's FSDP engine slices with Ulysses (layout ulysses)"))
+OPTIONS: dict[str, str] = {}
+
+
+class _Module:
+    """The model's config as the engine reads it (``config.vision_config``: a text model has none)."""
+
+    class config:  # noqa: N801 - read as self.module.config
+        pass
+
+
+class _MicroBatch(dict):
+    """The micro-batch as the engine reads it: TensorDict's ``get``, ``[]`` and ``batch_size``."""
+
+    def __init__(self, batch_size: int, **items: Any) -> None:
+        super().__init__(**items)
+        self.batch_size = (batch_size,)
+
+
+def _tensordict_stand_in() -> dict[str, types.ModuleType]:
+    """Where tensordict is missing: modules whose ``NonTensorData``, ``NonTensorStack`` and
+    ``TensorDict`` are classes (isinstance works) and anything else a stub."""
+    classes = {n: type(n, (), {"__module__": "tensordict"}) for n in ("TensorDict", "NonTensorData", "NonTensorStack")}
+    top, sub = Stub("tensordict"), Stub("tensordict.tensorclass")
+    for mod in (top, sub):
+        vars(mod).update(classes)
+    top.tensorclass = sub
+    return {"tensordict": top, "tensordict.tensorclass": sub}
+
+
+def _imports(tree: ast.Module, package: str) -> dict[str, tuple[str, str | None]]:
+    """The engine file's module-level imports: name -> (module, attribute or None for the module)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = (a.name, None)
+                else:
+                    out[a.name.split(".")[0]] = (a.name.split(".")[0], None)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                out[a.asname or a.name] = (base, a.name)
+    return out
+
+
+def engine_methods(src: Path) -> tuple[ast.Module, dict[str, ast.FunctionDef]] | None:
+    """The engine file and the methods of :data:`METHODS` in it; None where the file or one of
+    them is missing (an era before the FSDP engine)."""
+    tree = FRAMEWORK.parse(src, ENGINE_FILE)
+    if tree is None:
+        return None
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    found: dict[str, ast.FunctionDef] = {}
+    for cls, method in METHODS:
+        fn = next((f for f in getattr(classes.get(cls), "body", []) if isinstance(f, ast.FunctionDef)
+                   and f.name == method), None)
+        if fn is None:
+            return None
+        found[method] = fn
+    return tree, found
+
+
+class VerlFSDPTarget(CheckoutTarget):
+    """verl's FSDP engine (FSDPEngineWithLMHead.prepare_model_inputs / prepare_model_outputs, compiled
+    alone from verl's file): log-probs and entropy of the rank's Ulysses slice, gathered over the sp group"""
+
+    framework = FRAMEWORK
+    name = "verl:fsdp"
+    framework_files: tuple[str, ...] = (str(ENGINE_FILE), str(ULYSSES_FILE), str(TF_FILE), str(PADDING_FILE))
+
+    def __init__(self, src: str | None = None, options: TargetConfig | None = None) -> None:
+        super().__init__(src)
+        found = engine_methods(self.src)
+        if found is None:
+            raise BadInput(f"verl at {self.short()} has no FSDP engine to check: {ENGINE_FILE} with "
+                           f"{', '.join(f'{c}.{m}' for c, m in METHODS)}")
+        self._tree, self._methods = found
+        self.era = None
+        self.capabilities = Capabilities(
+            layouts=frozenset({"thd", "bshd", "ulysses"}), entropy=True, tp_sizes=frozenset({1}),
+            cp_sizes=frozenset({1}), layout_reasons=LAYOUT_WHY,
+            reasons=(("tp", TP_WHY), ("cp", CP_WHY), ("replay_keep", REPLAY_WHY.replace("Megatron", "FSDP"))))
+        self._engine_cls: Any = None
+        self._mods: dict[str, Any] = {}
+        self.read_names: list[str] = []
+
+    # -- loading -----------------------------------------------------------------------------
+    def forget(self) -> None:
+        self._engine_cls, self._mods = None, {}
+
+    def _load(self) -> Any:
+        if self._engine_cls is not None:
+            return self._engine_cls
+        try:
+            import tensordict  # noqa: F401
+        except ImportError:
+            stand_in = _tensordict_stand_in()
+            saved = {k: sys.modules.get(k) for k in stand_in}
+            sys.modules.update(stand_in)
+
+            def undo() -> None:
+                for k, v in saved.items():
+                    if sys.modules.get(k) is stand_in[k]:
+                        if v is None:
+                            del sys.modules[k]
+                        else:
+                            sys.modules[k] = v
+
+            self.checkout.undo_later(undo)
+            self.checkout.stubs.append("tensordict (a stand-in: NonTensorData a class)")
+        path = self.src / ENGINE_FILE
+        methods = [self._methods[m] for _, m in METHODS]
+        for fn in methods:
+            fn.decorator_list = []
+        cls = ast.ClassDef(name="FSDPEngineWithLMHead", bases=[], keywords=[], body=methods, decorator_list=[],
+                           type_params=[])
+        module = ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[]))
+        import __future__
+        import symtable
+
+        table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(path), "exec")
+        reads: set[str] = set()
+        for child in table.get_children():
+            reads |= names_read(child)
+        import builtins
+
+        reads -= set(dir(builtins))
+        imports = _imports(self._tree, ENGINE_PACKAGE)
+        unknown = sorted(n for n in reads if n not in imports)
+        if unknown:
+            raise BadInput(f"verl at {self.short()}: the FSDP engine's methods read {', '.join(unknown)}, which "
+                           f"{ENGINE_FILE} does not import (the adapter binds only what the file imports)")
+        import importlib
+
+        given: dict[str, Any] = {}
+        for name in sorted(reads):
+            mod_name, attr = imports[name]
+            mod = self.import_module(mod_name) if FRAMEWORK.owns(mod_name) else importlib.import_module(mod_name)
+            if attr is None:
+                given[name] = mod
+            elif hasattr(mod, attr):
+                given[name] = getattr(mod, attr)
+            else:
+                given[name] = self.import_module(f"{mod_name}.{attr}") if FRAMEWORK.owns(mod_name) else getattr(
+                    mod, attr)
+        self.read_names = sorted(reads)
+        for mod_name in (ULYSSES_MODULE, PADDING_MODULE, "verl.utils.torch_functional"):
+            self._mods[mod_name] = self.import_module(mod_name)
+        namespace: dict[str, Any] = {"__name__": "shardcheck_verl_fsdp_engine", "__file__": str(path), **given}
+        code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        exec(code, namespace)  # noqa: S102 - verl's own methods, from its file
+        self._engine_cls = namespace["FSDPEngineWithLMHead"]
+        return self._engine_cls
+
+    def _engine(self, inputs: RankInputs) -> Any:
+        """An engine object holding what ``__init__`` / ``_init_device_mesh`` set that the methods read."""
+        from shardcheck.targets.verl import _Config
+
+        cls = self._load()
+        tf = self._mods["verl.utils.torch_functional"]
+        engine = object.__new__(cls)
+        chunking = inputs.chunk_size > 0
+        config = _Config(entropy_checkpointing=False, entropy_from_logits_with_chunking=chunking,
+                         entropy_from_logits_chunk_size=inputs.chunk_size if chunking else 2048,
+                         use_torch_compile=True, pad_to_length=False, pad_to_length_bucket=None,
+                         ulysses_sequence_parallel_size=inputs.sp_size)
+        engine.engine_config = config
+        engine.module = _Module()
+        engine.ulysses_sequence_parallel_size = inputs.sp_size
+        engine.use_ulysses_sp = inputs.sp_size > 1
+        engine.pad_to_length, engine.pad_to_length_bucket = config.pad_to_length, config.pad_to_length_bucket
+        # as __init__ picks it (torch.compile runs eagerly: the checkout's torch._dynamo is disabled)
+        import torch
+
+        fn = tf.entropy_from_logits_with_chunking if chunking else tf.entropy_from_logits
+        engine.compute_entropy_from_logits = torch.compile(fn, dynamic=True) if config.use_torch_compile else fn
+        return engine
+
+    # -- the report -----------------------------------------------------------------------------
+    def description(self) -> dict[str, Any]:
+        return {"calls": (f"{ENGINE_FILE}: FSDPEngineWithLMHead.prepare_model_inputs, the harness's logits as the "
+                          "model's output, prepare_model_outputs (under forward_step's autocast); responses cut by "
+                          f"{PADDING_FILE}::no_padding_2_padding"),
+                "compiled_alone": [f"{c}.{m}" for c, m in METHODS],
+                "names_bound_from_the_engine_file's_imports": self.read_names,
+                "ulysses_group": "set_ulysses_sequence_parallel_group(sp group) around the forward, as "
+                                 "EngineTrainModeCtx does; restored after",
+                "engine_config": {"use_remove_padding": "true (thd, ulysses); false for bshd",
+                                  "entropy_from_logits_with_chunking": "when the scenario has a chunk size",
+                                  "entropy_checkpointing": False, "pad_to_length": False,
+                                  "use_fused_kernels": False},
+                "not_run": "the __init__.py of the verl packages holding the modules imported (verl/__init__.py "
+                           "imports ray); torch.compile runs eagerly",
+                "framework_files": list(self.framework_files)}
+
+    # -- the computation -------------------------------------------------------------------------
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import torch
+        import torch.distributed as dist
+
+        if inputs.tp_size != 1:
+            raise ValueError(f"verl:fsdp runs at tp 1 only, got tp {inputs.tp_size}")
+        engine = self._engine(inputs)
+        ulysses = self._mods[ULYSSES_MODULE]
+        padding = self._mods[PADDING_MODULE]
+        logits = inputs.logits
+        device = logits.device
+        lengths, responses = inputs.total_lengths, inputs.response_lengths
+        tokens = [t[:n].to(device) for t, n in zip(inputs.tokens, lengths)]
+        nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+        rmpad = inputs.layout != "bshd"
+        calculate_entropy = bool(inputs.with_entropy)
+        micro_batch = _MicroBatch(
+            len(tokens), input_ids=nested(tokens),
+            position_ids=nested([torch.arange(n, device=device) for n in lengths]),
+            temperature=inputs.temperature, use_remove_padding=rmpad, calculate_entropy=calculate_entropy,
+            use_fused_kernels=False)
+        group = inputs.sp_group if inputs.sp_size > 1 else None
+        if group is not None and dist.get_rank(group=group) != inputs.sp_rank:
+            raise RuntimeError(f"shardcheck's verl:fsdp adapter: sp rank {inputs.sp_rank} is rank "
+                               f"{dist.get_rank(group=group)} of its sp group")
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        ulysses.set_ulysses_sequence_parallel_group(group)
+        try:
+            model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
+            self._check_rows(inputs, model_inputs["input_ids"])
+            output = types.SimpleNamespace(logits=logits)
+            dtype = logits.dtype
+            autocast = (torch.autocast(device_type=device.type, dtype=dtype)
+                        if dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext())
+            with autocast:
+                model_output = engine.prepare_model_outputs(output=output, output_args=output_args,
+                                                            micro_batch=micro_batch, logits_processor_func=None)
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
+        prompts = [n - r for n, r in zip(lengths, responses)]
+        data = _MicroBatch(len(tokens), prompts=nested([t[:p] for t, p in zip(tokens, prompts)]),
+                           responses=nested([t[p:] for t, p in zip(tokens, prompts)]))
+        out: dict[str, list[Any]] = {}
+        for key in ("log_probs", "entropy"):
+            if key in model_output:
+                padded = padding.no_padding_2_padding(model_output[key], data)
+                out[key] = [padded[i, :r] for i, r in enumerate(responses)]
+        return RankOutputs(out["log_probs"], out.get("entropy"))
+
+    def _check_rows(self, inputs: RankInputs, ids: Any) -> None:
+        """verl's slice of the packed ids (what its model would see on this rank) must be the
+        tokens of the harness's rows for this rank, else the adapter's error: logits laid out
+        elsewhere than verl lays out its inputs would check nothing."""
+        import torch
+
+        layout = inputs.rank_layout
+        samples = layout.scenario.samples
+        want = torch.tensor([int(inputs.tokens[s][p]) if s < len(samples) and p < samples[s].total else 0
+                             for s, p in layout.row_positions()], dtype=torch.int64)
+        got = ids.reshape(-1).cpu().to(torch.int64)
+        if got.shape != want.shape or not torch.equal(got, want):
+            raise RuntimeError(f"shardcheck's verl:fsdp adapter: verl's engine hands this rank's model other tokens "
+                               f"({got.tolist()}) than the harness's rows hold ({want.tolist()})")
+
+
+def build(variant: str | None, config: TargetConfig) -> VerlFSDPTarget:
+    given = [k for k, _ in config.options]
+    if given:
+        raise BadInput(f"target 'verl:fsdp' takes no option (got {given[0]})")
+    return VerlFSDPTarget(config.src, config)

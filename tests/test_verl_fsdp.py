@@ -1,0 +1,95 @@
+"""The verl:fsdp target (verl's FSDP engine with Ulysses sequence parallelism). Checking real
+verl needs a checkout (never pip install verl: it pulls ray): set SHARDCHECK_VERL_SRC to a clone
+of verl-project/verl. Without one only the refusals run (no world, well under a second); with
+one, the sequence_parallel and logprob suites and a few float32 scenarios with chunked entropy and
+a temperature run on the session's 4-rank world (a few seconds)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import run_on_world
+from shardcheck.errors import BadInput
+from shardcheck.scenarios.scenario import Scenario
+from shardcheck.scenarios.suites import get_suite
+from shardcheck.targets import resolve
+from shardcheck.targets.base import TargetConfig
+from shardcheck.targets.verl import ENV, target
+from shardcheck.targets.verl_fsdp import ENGINE_FILE, METHODS
+
+VERL_SRC = os.environ.get(ENV)
+SPEC = "shardcheck.targets.verl_fsdp:VerlFSDPTarget"  # by module path: the registry's metadata may be stale
+needs_verl = pytest.mark.skipif(not VERL_SRC, reason=f"{ENV} is not set: no verl checkout to check (clone "
+                                "verl-project/verl and point it there; never pip install verl, it pulls ray)")
+
+
+def test_the_variant_is_listed_and_needs_a_checkout_with_the_fsdp_engine(tmp_path, monkeypatch):
+    assert "fsdp" in target.variants
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(BadInput, match=ENV):
+        target("fsdp")
+    # a verl checkout (its marker file) without the FSDP engine: refused in one line, naming what is missing
+    marker = tmp_path / "verl/utils/megatron/tensor_parallel.py"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("")
+    with pytest.raises(BadInput, match="no FSDP engine") as exc:
+        target("fsdp", TargetConfig(str(tmp_path)))
+    assert str(ENGINE_FILE) in str(exc.value) and "\n" not in str(exc.value)
+    engine = tmp_path / ENGINE_FILE
+    engine.parent.mkdir(parents=True)
+    engine.write_text("".join(f"class {c}:\n    def {m}(self):\n        return undefined_name\n\n\n"
+                              for c, m in METHODS))
+    with pytest.raises(BadInput, match="takes no option"):
+        target("fsdp", TargetConfig(str(tmp_path), (("entropy_chunking", "true"),)))
+
+
+# float32 scenarios the suites leave out at tp 1: chunked entropy (verl's entropy_from_logits_with_chunking)
+# under sp 2 and without padding removal (bshd), each with a temperature
+EXTRA = [
+    {"name": "ulysses-sp2-chunks-temp", "samples": [[17, 9], [6, 2]], "vocab": 32, "sp": 2, "layout": "ulysses",
+     "entropy_coef": 0.05, "log_probs_chunk_size": 4, "temperature": 0.8, "seed": 401},
+    {"name": "ulysses-sp4-three-samples", "samples": [[11, 4], [7, 5], [3, 2]], "vocab": 48, "sp": 4,
+     "layout": "ulysses", "entropy_coef": 0.1, "temperature": 0.7, "seed": 402},
+    {"name": "bshd-chunks-temp", "samples": [[12, 5], [7, 3]], "vocab": 32, "layout": "bshd", "entropy_coef": 0.1,
+     "log_probs_chunk_size": 3, "temperature": 1.3, "seed": 404},
+]
+
+
+@needs_verl
+@pytest.mark.world
+def test_the_fsdp_engine_matches_the_reference_under_ulysses(world, tmp_path):
+    """verl's FSDPEngineWithLMHead.prepare_model_inputs / prepare_model_outputs at sp 1, 2 and 4:
+    values and gradients right (Gather's backward scales by sp, the harness's contract); TP, CP and
+    the ring layout skipped with their reasons; coverage names the engine's methods and Ulysses'."""
+    scenarios = (get_suite("sequence_parallel") + get_suite("logprob")
+                 + [Scenario.from_dict(sc) for sc in EXTRA])
+    run = run_on_world(world, scenarios, SPEC, tmp_path / "r.json", "verl-fsdp")
+    verdicts = {v["name"]: v for v in run.report["scenarios"]}
+    failed = {n: v.get("failures") for n, v in verdicts.items() if v["verdict"] not in ("pass", "skip")}
+    assert not failed, run.stdout[-4000:]
+    assert all(v["reason"] for v in verdicts.values() if v["verdict"] == "skip")
+    passed = {n for n, v in verdicts.items() if v["verdict"] == "pass"}
+    assert {"ulysses-sp2-padded", "ulysses-sp4-padding-rank", "ulysses-sp2-exact", "bshd-chunks-temp",
+            "ulysses-sp2-chunks-temp", "thd-tp1cp1-basic-logprob", "bshd-tp1cp1-basic-logprob"} <= passed
+    assert "vocab-parallel" in verdicts["ulysses-tp2-sp2-chunks"]["reason"]
+    assert run.report["target"]["name"] == "verl:fsdp" and run.report["target"]["src"] == str(Path(VERL_SRC).resolve())
+    # coverage on one scenario (it costs seconds a scenario): sp 2, chunked entropy
+    covered = run_on_world(world, [Scenario.from_dict(EXTRA[0])], SPEC, tmp_path / "c.json", "verl-fsdp",
+                           coverage=True)
+    assert covered.exit_code == 0, covered.stdout[-3000:]
+    ran = {name for f in covered.report["coverage"]["files"].values() for name in f["functions"]}
+    for name in (f"{ENGINE_FILE}:FSDPEngineWithLMHead.prepare_model_inputs",
+                 f"{ENGINE_FILE}:FSDPEngineWithLMHead.prepare_model_outputs",
+                 "verl/utils/ulysses.py:ulysses_pad_and_slice_inputs", "verl/utils/ulysses.py:gather_outputs_and_unpad",
+                 "verl/utils/ulysses.py:Gather.backward", "verl/utils/torch_functional.py:logprobs_from_logits",
+                 "verl/utils/torch_functional.py:entropy_from_logits_with_chunking",
+                 "verl/workers/utils/padding.py:no_padding_2_padding"):
+        assert name in ran, sorted(ran)
+
+
+@needs_verl
+def test_the_registered_name_builds_it():
+    built = resolve("verl:fsdp", TargetConfig(None))
+    assert built.name == "verl:fsdp" and built.capabilities.tp_sizes == frozenset({1})
+    assert {"thd", "bshd", "ulysses"} == set(built.capabilities.layouts)
