@@ -113,6 +113,9 @@ OPTIONS = {
                  "(MegatronEngineWithLMHead's, with verl's packing) or auto (legacy where it exists; default)",
     "entropy_chunking": "true: vocab_parallel_entropy_with_chunking with the scenario's chunk size, verl's "
                         "2048 where the scenario has none (verl's entropy_from_logits_with_chunking; default false)",
+    "fused_kernels": "verl:fsdp only: torch (use_fused_kernels, the torch backend: verl's forward_with_torch_backend "
+                     "and FusedLinearForPPO on the harness's logits as the last hidden states, an identity LM head) or "
+                     "off (the default)",
     "layout": "verl:actor only: framework (verl's own packing lays out the rows, the default) or shardcheck (the "
               "harness's rows; the engine then skips scenarios whose rows verl's packing puts elsewhere)",
     "loss_agg_mode": "verl:loss only: verl's loss_agg_mode (agg_loss), verl's default (token-mean) unless given: "
@@ -749,6 +752,8 @@ def _build(variant: str | None, config: TargetConfig) -> VerlTarget:
         from shardcheck.targets.verl_fsdp import build
 
         return build(variant, config)
+    if config.get("fused_kernels") is not None:
+        raise BadInput("target 'verl': option fused_kernels applies to verl:fsdp only")
     if variant is None:
         if config.get("call_site") is not None:
             raise BadInput("target 'verl': option call_site applies to verl:actor only")

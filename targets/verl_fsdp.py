@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -71,15 +72,32 @@ PADDING_FILE = Path("verl/workers/utils/padding.py")
 ENGINE_UTILS_FILE = Path("verl/workers/engine/utils.py")
 PADDING_MODULE = "verl.workers.utils.padding"
 ULYSSES_MODULE = "verl.utils.ulysses"
-# (class, method): what runs of the engine file
-METHODS = (("FSDPEngineWithLMHead", "prepare_model_inputs"), ("FSDPEngineWithLMHead", "prepare_model_outputs"),
-           ("FSDPEngine", "_get_packed_pad_size"), ("FSDPEngine", "_gather_and_unpad_packed"))
+# (class, method): what runs of the engine file; the helpers are there since #6420's static pad (older
+# commits gather in prepare_model_outputs itself)
+METHODS = (("FSDPEngineWithLMHead", "prepare_model_inputs"), ("FSDPEngineWithLMHead", "prepare_model_outputs"))
+HELPERS = (("FSDPEngine", "_get_packed_pad_size"), ("FSDPEngine", "_gather_and_unpad_packed"))
+DENSE_FILE = Path("verl/models/transformers/dense_common.py")
+DENSE_MODULE = "verl.models.transformers.dense_common"
+FUSED_FILE = Path("verl/utils/experimental/torch_functional.py")
 TP_WHY = ("verl's FSDP engine has no vocab-parallel log-prob code: under TP its logits are a DTensor it gathers "
           "whole (full_tensor()) before log_softmax; shardcheck's layouts hand each TP rank its vocabulary shard")
 CP_WHY = "verl's FSDP engine has no context parallelism (its sequence parallelism is Ulysses: layout ulysses)"
 LAYOUT_WHY = (("zigzag", CP_WHY), ("allgather", CP_WHY),
               ("ring", "ring attention's split is OpenRLHF's; verl's FSDP engine slices with Ulysses (layout ulysses)"))
-OPTIONS: dict[str, str] = {}
+OPTIONS = {
+    "fused_kernels": "verl:fsdp only: torch (use_fused_kernels with the torch backend: the model's forward is verl's "
+                     "dense_common.forward_with_torch_backend, FusedLinearForPPO on the harness's logits as the last "
+                     "hidden states and an identity LM head) or off (the default: the logits path)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPEra:
+    """What the checkout offers: the engine's methods compiled (the helpers are newer), and whether
+    it has the dense models' fused forward (``fused_kernels=torch``)."""
+
+    methods: tuple[str, ...]
+    dense_fused_forward: bool
 
 
 class _Module:
@@ -129,20 +147,68 @@ def _imports(tree: ast.Module, package: str) -> dict[str, tuple[str, str | None]
 
 
 def engine_methods(src: Path) -> tuple[ast.Module, dict[str, ast.FunctionDef]] | None:
-    """The engine file and the methods of :data:`METHODS` in it; None where the file or one of
-    them is missing (an era before the FSDP engine)."""
+    """The engine file and the methods of :data:`METHODS` (and the :data:`HELPERS` the commit has)
+    in it; None where the file or one of :data:`METHODS` is missing (an era before the FSDP engine)."""
     tree = FRAMEWORK.parse(src, ENGINE_FILE)
     if tree is None:
         return None
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     found: dict[str, ast.FunctionDef] = {}
-    for cls, method in METHODS:
+    for cls, method in METHODS + HELPERS:
         fn = next((f for f in getattr(classes.get(cls), "body", []) if isinstance(f, ast.FunctionDef)
                    and f.name == method), None)
-        if fn is None:
+        if fn is None and (cls, method) in METHODS:
             return None
-        found[method] = fn
+        if fn is not None:
+            found[method] = fn
     return tree, found
+
+
+def _transformers_stand_in() -> dict[str, types.ModuleType]:
+    """Where transformers is missing: ``modeling_outputs.CausalLMOutputWithPast`` a dataclass with
+    its fields (verl's CausalLMOutputForPPO derives from it), ``cache_utils.Cache`` a class, anything
+    else a stub."""
+    import dataclasses
+
+    fields = [(n, Any, dataclasses.field(default=None))
+              for n in ("loss", "logits", "past_key_values", "hidden_states", "attentions")]
+    output = dataclasses.make_dataclass("CausalLMOutputWithPast", fields)
+    top, outputs, cache = Stub("transformers"), Stub("transformers.modeling_outputs"), Stub("transformers.cache_utils")
+    outputs.CausalLMOutputWithPast = output
+    cache.Cache = type("Cache", (), {})
+    top.modeling_outputs, top.cache_utils = outputs, cache
+    return {"transformers": top, "transformers.modeling_outputs": outputs, "transformers.cache_utils": cache}
+
+
+class _BaseModelOutput(tuple):
+    """What the decoder (``self.model``) returns: the last hidden states first."""
+
+    past_key_values = hidden_states = attentions = None
+
+
+class _FusedModel:
+    """The HF causal LM verl's monkey patch gives ``forward_with_torch_backend`` (``patch_forward_with_
+    backends``: ``model.__class__.forward``): its decoder returns the harness's logits as the last
+    hidden states and its LM head is the identity, so verl's FusedLinearForPPO computes its
+    log-probs and entropy from exactly the harness's logits (``hidden @ I.T``), and the gradient
+    of the hidden states is the logits'."""
+
+    class config:  # noqa: N801
+        output_attentions = False
+        output_hidden_states = False
+
+    def __init__(self, forward: Any, hidden: Any) -> None:
+        import torch
+
+        self._forward, self._hidden = forward, hidden
+        self.lm_head = types.SimpleNamespace(weight=torch.eye(hidden.size(-1), dtype=hidden.dtype,
+                                                              device=hidden.device))
+        self.model = lambda **kwargs: _BaseModelOutput((self._hidden,))
+        self.seen: dict[str, Any] = {}
+
+    def __call__(self, **kwargs: Any) -> Any:
+        self.seen = kwargs
+        return self._forward(self, **kwargs)
 
 
 class VerlFSDPTarget(CheckoutTarget):
@@ -160,7 +226,15 @@ class VerlFSDPTarget(CheckoutTarget):
             raise BadInput(f"verl at {self.short()} has no FSDP engine to check: {ENGINE_FILE} with "
                            f"{', '.join(f'{c}.{m}' for c, m in METHODS)}")
         self._tree, self._methods = found
-        self.era = None
+        self.fused = (options or TargetConfig()).get("fused_kernels", "off")
+        if self.fused not in ("off", "torch"):
+            raise BadInput(f"target 'verl:fsdp': option fused_kernels={self.fused!r}: expected torch or off")
+        if self.fused == "torch":
+            if FRAMEWORK.parse(self.src, DENSE_FILE) is None or FRAMEWORK.parse(self.src, FUSED_FILE) is None:
+                raise BadInput(f"verl at {self.short()} has no {DENSE_FILE} or {FUSED_FILE} (fused_kernels=torch)")
+            self.framework_files = self.framework_files + (str(DENSE_FILE), str(FUSED_FILE))
+        self.era = FSDPEra(tuple(f"{c}.{m}" for c, m in METHODS + HELPERS if m in self._methods),
+                           FRAMEWORK.parse(self.src, DENSE_FILE) is not None)
         self.capabilities = Capabilities(
             layouts=frozenset({"thd", "bshd", "ulysses"}), entropy=True, tp_sizes=frozenset({1}),
             cp_sizes=frozenset({1}), layout_reasons=LAYOUT_WHY,
@@ -176,25 +250,12 @@ class VerlFSDPTarget(CheckoutTarget):
     def _load(self) -> Any:
         if self._engine_cls is not None:
             return self._engine_cls
-        try:
-            import tensordict  # noqa: F401
-        except ImportError:
-            stand_in = _tensordict_stand_in()
-            saved = {k: sys.modules.get(k) for k in stand_in}
-            sys.modules.update(stand_in)
-
-            def undo() -> None:
-                for k, v in saved.items():
-                    if sys.modules.get(k) is stand_in[k]:
-                        if v is None:
-                            del sys.modules[k]
-                        else:
-                            sys.modules[k] = v
-
-            self.checkout.undo_later(undo)
-            self.checkout.stubs.append("tensordict (a stand-in: NonTensorData a class)")
+        for wanted, make in (("tensordict", _tensordict_stand_in),
+                             ("transformers", _transformers_stand_in if self.fused != "off" else None)):
+            if make is not None:
+                self._stand_in(wanted, make)
         path = self.src / ENGINE_FILE
-        methods = [self._methods[m] for _, m in METHODS]
+        methods = [self._methods[m] for _, m in METHODS + HELPERS if m in self._methods]
         for fn in methods:
             fn.decorator_list = []
         cls = ast.ClassDef(name="FSDPEngineWithLMHead", bases=[], keywords=[], body=methods, decorator_list=[],
@@ -229,13 +290,36 @@ class VerlFSDPTarget(CheckoutTarget):
                 given[name] = self.import_module(f"{mod_name}.{attr}") if FRAMEWORK.owns(mod_name) else getattr(
                     mod, attr)
         self.read_names = sorted(reads)
-        for mod_name in (ULYSSES_MODULE, PADDING_MODULE, "verl.utils.torch_functional"):
+        for mod_name in (ULYSSES_MODULE, PADDING_MODULE, "verl.utils.torch_functional") + (
+                (DENSE_MODULE,) if self.fused != "off" else ()):
             self._mods[mod_name] = self.import_module(mod_name)
         namespace: dict[str, Any] = {"__name__": "shardcheck_verl_fsdp_engine", "__file__": str(path), **given}
         code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
         exec(code, namespace)  # noqa: S102 - verl's own methods, from its file
         self._engine_cls = namespace["FSDPEngineWithLMHead"]
         return self._engine_cls
+
+    def _stand_in(self, package: str, make: Any) -> None:
+        """``make()``'s modules in ``sys.modules`` where ``package`` is not installed, until release."""
+        import importlib.util
+
+        if package in sys.modules or importlib.util.find_spec(package) is not None:
+            return
+        stand_in = make()
+        saved = {k: sys.modules.get(k) for k in stand_in}
+        sys.modules.update(stand_in)
+
+        def undo() -> None:
+            for k, v in saved.items():
+                if sys.modules.get(k) is stand_in[k]:
+                    if v is None:
+                        del sys.modules[k]
+                    else:
+                        sys.modules[k] = v
+
+        self.checkout.undo_later(undo)
+        self.checkout.stubs.append(f"{package} (a stand-in: {', '.join(sorted(k for k in stand_in if k != package))})"
+                                   if len(stand_in) > 1 else package)
 
     def _engine(self, inputs: RankInputs) -> Any:
         """An engine object holding what ``__init__`` / ``_init_device_mesh`` set that the methods read."""
@@ -263,7 +347,7 @@ class VerlFSDPTarget(CheckoutTarget):
 
     # -- the report -----------------------------------------------------------------------------
     def description(self) -> dict[str, Any]:
-        return {"calls": (f"{ENGINE_FILE}: FSDPEngineWithLMHead.prepare_model_inputs, the harness's logits as the "
+        return {"fused_kernels": self.fused, "calls": (f"{ENGINE_FILE}: FSDPEngineWithLMHead.prepare_model_inputs, the harness's logits as the "
                           "model's output, prepare_model_outputs (under forward_step's autocast); responses cut by "
                           f"{PADDING_FILE}::no_padding_2_padding"),
                 "compiled_alone": [f"{c}.{m}" for c, m in METHODS],
@@ -295,11 +379,15 @@ class VerlFSDPTarget(CheckoutTarget):
         nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
         rmpad = inputs.layout != "bshd"
         calculate_entropy = bool(inputs.with_entropy)
+        # the response mask as verl's batch holds it (right-padded to the longest response), which
+        # left_right_2_no_padding also hands on as loss_mask
+        response_mask = torch.nn.utils.rnn.pad_sequence(
+            [torch.ones(r, dtype=torch.int64, device=device) for r in responses], batch_first=True)
         micro_batch = _MicroBatch(
-            len(tokens), input_ids=nested(tokens),
+            len(tokens), input_ids=nested(tokens), response_mask=response_mask, loss_mask=response_mask,
             position_ids=nested([torch.arange(n, device=device) for n in lengths]),
             temperature=inputs.temperature, use_remove_padding=rmpad, calculate_entropy=calculate_entropy,
-            use_fused_kernels=False)
+            use_fused_kernels=self.fused != "off")
         group = inputs.sp_group if inputs.sp_size > 1 else None
         if group is not None and dist.get_rank(group=group) != inputs.sp_rank:
             raise RuntimeError(f"shardcheck's verl:fsdp adapter: sp rank {inputs.sp_rank} is rank "
@@ -307,13 +395,19 @@ class VerlFSDPTarget(CheckoutTarget):
         previous = ulysses.get_ulysses_sequence_parallel_group()
         ulysses.set_ulysses_sequence_parallel_group(group)
         try:
+            if self.fused != "off":  # the model verl's monkey patch makes: its forward is verl's
+                engine.module = _FusedModel(self._mods[DENSE_MODULE].forward_with_torch_backend, logits)
             model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
             self._check_rows(inputs, model_inputs["input_ids"])
-            output = types.SimpleNamespace(logits=logits)
+            self._check_mask(lengths, model_inputs.get("attention_mask"))
             dtype = logits.dtype
             autocast = (torch.autocast(device_type=device.type, dtype=dtype)
                         if dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext())
-            with autocast:
+            with autocast:  # as forward_step: the model's forward and prepare_model_outputs
+                if self.fused != "off":
+                    output = engine.module(**model_inputs, use_cache=False)
+                else:
+                    output = types.SimpleNamespace(logits=logits)
                 model_output = engine.prepare_model_outputs(output=output, output_args=output_args,
                                                             micro_batch=micro_batch, logits_processor_func=None)
         finally:
@@ -327,6 +421,23 @@ class VerlFSDPTarget(CheckoutTarget):
                 padded = padding.no_padding_2_padding(model_output[key], data)
                 out[key] = [padded[i, :r] for i, r in enumerate(responses)]
         return RankOutputs(out["log_probs"], out.get("entropy"))
+
+    @staticmethod
+    def _check_mask(lengths: list[int], mask: Any) -> None:
+        """Without padding removal the engine hands the model a padded batch and its attention
+        mask: 1 over each sample's tokens, 0 over the padding. A mask that hides a real token (or
+        shows a padding one) changes the model's logits, which the harness hands in unchanged: a
+        finding of verl's, raised on the rank (the harness reports it as a rank error)."""
+        if mask is None:
+            return
+        import torch
+
+        want = (torch.arange(mask.size(-1), device=mask.device).unsqueeze(0)
+                < torch.tensor(lengths, device=mask.device).unsqueeze(1))
+        if mask.shape != want.shape or not torch.equal(mask.bool(), want):
+            raise RuntimeError(f"verl's prepare_model_inputs hands the model attention_mask {mask.int().tolist()} for "
+                               f"samples of {lengths} tokens: the model would not attend to each sample's own "
+                               "tokens (1 over them, 0 over the padding)")
 
     def _check_rows(self, inputs: RankInputs, ids: Any) -> None:
         """verl's slice of the packed ids (what its model would see on this rank) must be the
@@ -345,7 +456,17 @@ class VerlFSDPTarget(CheckoutTarget):
 
 
 def build(variant: str | None, config: TargetConfig) -> VerlFSDPTarget:
-    given = [k for k, _ in config.options]
+    given = [k for k, _ in config.options if k not in OPTIONS]
     if given:
-        raise BadInput(f"target 'verl:fsdp' takes no option (got {given[0]})")
+        raise BadInput(f"target 'verl:fsdp': option {given[0]} is not verl:fsdp's (its options: "
+                       f"{', '.join(OPTIONS)})")
     return VerlFSDPTarget(config.src, config)
+
+
+def make(config: TargetConfig | None = None) -> VerlFSDPTarget:
+    """verl:fsdp by module path (``shardcheck.targets.verl_fsdp:make``), with its options"""
+    config = config or TargetConfig()
+    return build("fsdp", config)
+
+
+make.options = OPTIONS  # type: ignore[attr-defined]

@@ -218,7 +218,8 @@ def test_variants_options_and_call_sites_are_checked(tmp_path, monkeypatch):
     old = str(_fake_checkout(tmp_path / "old", legacy=LEGACY_ACTOR))
     bare = str(_fake_checkout(tmp_path / "bare"))
     assert set(target.variants) == {"actor", "fsdp", "loss"}
-    assert set(target.options) == {"call_site", "entropy_chunking", "layout", "loss_agg_mode", "loss_scale_factor"}
+    assert set(target.options) == {"call_site", "entropy_chunking", "fused_kernels", "layout", "loss_agg_mode",
+                                  "loss_scale_factor"}
     with pytest.raises(BadInput, match="no variant 'nope'"):
         target("nope", TargetConfig(old))
     # through resolve, as the CLI builds it (module:callable: the registry's metadata may be stale

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_on_world
+from conftest import export_commit, run_on_world
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.scenarios.suites import get_suite
@@ -19,7 +19,7 @@ from shardcheck.targets.verl import ENV, target
 from shardcheck.targets.verl_fsdp import ENGINE_FILE, METHODS
 
 VERL_SRC = os.environ.get(ENV)
-SPEC = "shardcheck.targets.verl_fsdp:VerlFSDPTarget"  # by module path: the registry's metadata may be stale
+SPEC = "shardcheck.targets.verl_fsdp:make"  # by module path: the registry's metadata may be stale
 needs_verl = pytest.mark.skipif(not VERL_SRC, reason=f"{ENV} is not set: no verl checkout to check (clone "
                                 "verl-project/verl and point it there; never pip install verl, it pulls ray)")
 
@@ -38,10 +38,14 @@ def test_the_variant_is_listed_and_needs_a_checkout_with_the_fsdp_engine(tmp_pat
     assert str(ENGINE_FILE) in str(exc.value) and "\n" not in str(exc.value)
     engine = tmp_path / ENGINE_FILE
     engine.parent.mkdir(parents=True)
-    engine.write_text("".join(f"class {c}:\n    def {m}(self):\n        return undefined_name\n\n\n"
-                              for c, m in METHODS))
-    with pytest.raises(BadInput, match="takes no option"):
+    engine.write_text("class FSDPEngineWithLMHead:\n" + "".join(f"    def {m}(self):\n        return undefined_name\n\n"
+                                                               for _, m in METHODS))
+    with pytest.raises(BadInput, match="option entropy_chunking is not verl:fsdp's"):
         target("fsdp", TargetConfig(str(tmp_path), (("entropy_chunking", "true"),)))
+    with pytest.raises(BadInput, match="fused_kernels='triton': expected torch or off"):
+        target("fsdp", TargetConfig(str(tmp_path), (("fused_kernels", "triton"),)))
+    with pytest.raises(BadInput, match="fused_kernels applies to verl:fsdp only"):
+        target("actor", TargetConfig(str(tmp_path), (("fused_kernels", "torch"),)))
 
 
 # float32 scenarios the suites leave out at tp 1: chunked entropy (verl's entropy_from_logits_with_chunking)
@@ -93,3 +97,47 @@ def test_the_registered_name_builds_it():
     built = resolve("verl:fsdp", TargetConfig(None))
     assert built.name == "verl:fsdp" and built.capabilities.tp_sizes == frozenset({1})
     assert {"thd", "bshd", "ulysses"} == set(built.capabilities.layouts)
+
+
+REPO_ENV = "SHARDCHECK_VERL_REPO"
+PR_6268 = "575d5a8ab"  # "[model, fsdp] fix: honor SP-rolled labels in fused kernels (#6068) (#6268)"
+
+
+def _repo_with(commit: str) -> str | None:
+    import subprocess
+
+    for repo in (os.environ.get(REPO_ENV), VERL_SRC):
+        if repo and subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"],
+                                   capture_output=True).returncode == 0:
+            return repo
+    return None
+
+
+@pytest.mark.world
+@pytest.mark.skipif(not _repo_with(PR_6268), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
+                    f"holding {PR_6268} (a clone of verl-project/verl with its history)")
+def test_fused_kernels_rolled_the_sp_shard_before_6268_and_the_whole_sequence_after(world, tmp_path, monkeypatch):
+    """With use_fused_kernels and Ulysses sp 2, the model's fused forward (dense_common's
+    forward_with_torch_backend) rolled its own SP slice of the ids before #6268: the last row of
+    SP rank 0's slice got its slice's first token as its label instead of the next slice's first.
+    Packed length 7 (samples 5 + 2, padded to 8): row 3 scores sample 0's response token 2. #6268
+    hands the model the engine's globally rolled labels (shift_labels): it passes."""
+    import json
+
+    from shardcheck.targets.base import OPTS_ENV, SRC_ENV
+
+    repo = _repo_with(PR_6268)
+    monkeypatch.setenv(OPTS_ENV, json.dumps([["fused_kernels", "torch"]]))
+    scenario = Scenario.from_dict({"name": "fused-sp2", "samples": [[5, 3], [2, 1]], "vocab": 16, "sp": 2,
+                                   "layout": "ulysses", "with_entropy": False, "entropy_coef": 0.0, "seed": 501})
+    said = {}
+    for name, rev in (("parent", f"{PR_6268}~1"), ("fix", PR_6268)):
+        monkeypatch.setenv(SRC_ENV, export_commit(repo, rev, tmp_path / name, "verl"))
+        said[name] = run_on_world(world, [scenario], SPEC, tmp_path / f"{name}.json", "fused")
+    parent = said["parent"].report["scenarios"][0]
+    assert parent["verdict"] == "fail", said["parent"].stdout[-3000:]
+    kinds = {f["kind"] for f in parent["failures"]}
+    assert kinds == {"value_mismatch", "grad_mismatch"}, parent["failures"]
+    assert "log_probs sample 0 token 2" in said["parent"].stdout
+    assert said["fix"].exit_code == 0, said["fix"].stdout[-3000:]
+    assert said["fix"].report["target"]["fused_kernels"] == "torch"
