@@ -2,7 +2,9 @@
 verl needs a checkout (never pip install verl: it pulls ray): set SHARDCHECK_VERL_SRC to a clone
 of verl-project/verl. Without one only the refusals run (no world, well under a second); with
 one, the sequence_parallel and logprob suites and a few float32 scenarios with chunked entropy and
-a temperature run on the session's 4-rank world (a few seconds)."""
+a temperature run on the session's 4-rank world (a few seconds); with a verl clone holding its
+history (SHARDCHECK_VERL_REPO, or SHARDCHECK_VERL_SRC a clone), three fixed bugs of the engine's
+path fail at their parent and pass at their fix (about a second each)."""
 
 import os
 from pathlib import Path
@@ -100,7 +102,30 @@ def test_the_registered_name_builds_it():
 
 
 REPO_ENV = "SHARDCHECK_VERL_REPO"
-PR_6268 = "575d5a8ab"  # "[model, fsdp] fix: honor SP-rolled labels in fused kernels (#6068) (#6268)"
+# (fix, option, scenario, the parent's finding kinds, a line of the parent's report)
+FIXES = [
+    # "[model, fsdp] fix: honor SP-rolled labels in fused kernels (#6068) (#6268)": with use_fused_kernels and
+    # Ulysses sp 2, the model's fused forward (dense_common.forward_with_torch_backend) rolled its own SP slice of
+    # the ids: the last row of SP rank 0's slice got its slice's first token as its label, not the next slice's.
+    # Packed length 7 (5 + 2, padded to 8): row 3 scores sample 0's response token 2. The fix hands the model
+    # the engine's globally rolled labels (shift_labels).
+    ("575d5a8ab", "torch",
+     {"name": "fused-sp2", "samples": [[5, 3], [2, 1]], "vocab": 16, "sp": 2, "layout": "ulysses",
+      "with_entropy": False, "entropy_coef": 0.0, "seed": 501},
+     {"value_mismatch", "grad_mismatch"}, "log_probs sample 0 token 2"),
+    # "[fsdp] fix: FSDP logits temperature scaling for view tensors (#6935)": prepare_model_outputs divided the
+    # model's logits by the temperature in place (div_ on the squeeze(0) view); out of place since
+    ("51504d849", "off",
+     {"name": "thd-temperature", "samples": [[9, 4], [6, 3]], "vocab": 32, "entropy_coef": 0.1,
+      "temperature": 0.8, "seed": 503},
+     {"input_mutated"}, "aten.div_.Tensor at"),
+    # "[fsdp] fix: build no-padding attention mask from input ids (#6345)": without padding removal the engine
+    # built the model's attention mask from the response-only loss_mask (each sample's prompt hidden)
+    ("baccd33a0", "off",
+     {"name": "bshd", "samples": [[9, 4], [6, 3]], "vocab": 32, "layout": "bshd", "entropy_coef": 0.1,
+      "seed": 504},
+     {"rank_error"}, "hands the model attention_mask"),
+]
 
 
 def _repo_with(commit: str) -> str | None:
@@ -114,30 +139,26 @@ def _repo_with(commit: str) -> str | None:
 
 
 @pytest.mark.world
-@pytest.mark.skipif(not _repo_with(PR_6268), reason=f"neither {REPO_ENV} nor {ENV} is a verl git repository "
-                    f"holding {PR_6268} (a clone of verl-project/verl with its history)")
-def test_fused_kernels_rolled_the_sp_shard_before_6268_and_the_whole_sequence_after(world, tmp_path, monkeypatch):
-    """With use_fused_kernels and Ulysses sp 2, the model's fused forward (dense_common's
-    forward_with_torch_backend) rolled its own SP slice of the ids before #6268: the last row of
-    SP rank 0's slice got its slice's first token as its label instead of the next slice's first.
-    Packed length 7 (samples 5 + 2, padded to 8): row 3 scores sample 0's response token 2. #6268
-    hands the model the engine's globally rolled labels (shift_labels): it passes."""
+@pytest.mark.parametrize("fix, fused, scenario, kinds, line", FIXES, ids=[f[0] for f in FIXES])
+def test_a_fixed_fsdp_engine_bug_fails_at_the_parent_and_passes_at_the_fix(fix, fused, scenario, kinds, line, world,
+                                                                           tmp_path, monkeypatch):
+    """Each of three fixes to verl's FSDP engine path (FIXES): the parent's finding, then a pass."""
     import json
 
     from shardcheck.targets.base import OPTS_ENV, SRC_ENV
 
-    repo = _repo_with(PR_6268)
-    monkeypatch.setenv(OPTS_ENV, json.dumps([["fused_kernels", "torch"]]))
-    scenario = Scenario.from_dict({"name": "fused-sp2", "samples": [[5, 3], [2, 1]], "vocab": 16, "sp": 2,
-                                   "layout": "ulysses", "with_entropy": False, "entropy_coef": 0.0, "seed": 501})
+    repo = _repo_with(fix)
+    if repo is None:
+        pytest.skip(f"neither {REPO_ENV} nor {ENV} is a verl git repository holding {fix} (a clone of "
+                    "verl-project/verl with its history)")
+    monkeypatch.setenv(OPTS_ENV, json.dumps([["fused_kernels", fused]]))
     said = {}
-    for name, rev in (("parent", f"{PR_6268}~1"), ("fix", PR_6268)):
+    for name, rev in (("parent", f"{fix}~1"), ("fix", fix)):
         monkeypatch.setenv(SRC_ENV, export_commit(repo, rev, tmp_path / name, "verl"))
-        said[name] = run_on_world(world, [scenario], SPEC, tmp_path / f"{name}.json", "fused")
+        said[name] = run_on_world(world, [Scenario.from_dict(scenario)], SPEC, tmp_path / f"{name}.json", "fixes")
     parent = said["parent"].report["scenarios"][0]
     assert parent["verdict"] == "fail", said["parent"].stdout[-3000:]
-    kinds = {f["kind"] for f in parent["failures"]}
-    assert kinds == {"value_mismatch", "grad_mismatch"}, parent["failures"]
-    assert "log_probs sample 0 token 2" in said["parent"].stdout
+    assert {f["kind"] for f in parent["failures"]} == kinds, parent["failures"]
+    assert line in said["parent"].stdout, said["parent"].stdout[-3000:]
     assert said["fix"].exit_code == 0, said["fix"].stdout[-3000:]
-    assert said["fix"].report["target"]["fused_kernels"] == "torch"
+    assert said["fix"].report["target"]["fused_kernels"] == fused
