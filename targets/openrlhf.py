@@ -17,8 +17,10 @@ on the response). Inside it, all OpenRLHF's own code from the checkout:
   ``@torch.compile``: run eagerly, the decorator handed a ``torch`` whose ``compile`` is the identity,
   unless ``--target-opt torch_compile=true``),
   ``log_probs_from_logits(logits, rolled, temperature=T)`` (its torch branch where flash_attn is not
-  installed, flash_attn's triton cross entropy where it is), each gathered by ``gather_and_pad_tensor`` (all_gather over the ring group,
-  the ring padding cut, ``pad_input`` back to ``[B, S]``), ``[:, :-1]``, and the action mask.
+  installed, flash_attn's triton cross entropy where it is), each gathered by
+  ``gather_and_pad_tensor`` (all_gather over the ring group, the ring padding cut, ``pad_input``
+  back to ``[B, S]``), ``[:, :-1]``, and the action mask. Under ``thd`` and ``bshd`` (below) the
+  same, without a group.
 
 The ring group is set as OpenRLHF's strategy sets it (``set_ring_attn_group``, the harness's sp
 group). ``update_ring_attn_params`` (it hands ``cu_seqlens`` to ring_flash_attn's attention kernel,
@@ -76,17 +78,19 @@ ENV = FRAMEWORK.env
 
 OPTIONS = {
     "torch_compile": "true: run compute_entropy as OpenRLHF decorates it (@torch.compile; about 15 s of "
-                     "compiling per process on a CPU) instead of eagerly (the default: the decorator applied as the identity)",
+                     "compiling per process on a CPU) instead of eagerly (the default: the decorator applied as "
+                     "the identity)",
 }
 
-TP_WHY = "OpenRLHF's actor has no vocab-parallel log-probs: every rank's logits hold the whole vocabulary (tp 1)"
+TP_WHY = ("OpenRLHF's actor has no vocab-parallel log-probs: log_probs_from_logits and compute_entropy take each "
+          "row's logits over the whole vocabulary, with no process group (tp 1)")
 CP_WHY = ("OpenRLHF has no Megatron-style context parallelism: its sequence parallelism is ring attention "
           "(layout ring, --ds.ring_attn_size)")
 LAYOUT_WHY = {
     "zigzag": "OpenRLHF's ring attention splits the packed stream contiguously (no zigzag): layout ring",
     "allgather": "OpenRLHF has no all-gather CP; its ring split is layout ring",
-    "ulysses": "OpenRLHF has no Ulysses sequence parallelism (its DeepSpeed Ulysses is not on the actor's path): "
-               "layout ring is its split",
+    "ulysses": "OpenRLHF has no Ulysses sequence parallelism: its sequence parallelism is ring attention (layout "
+               "ring), which splits the same rows but gathers its outputs with flash_attn's all_gather",
 }
 REPLAY_WHY = "OpenRLHF's actor normalises over the whole vocabulary: it replays no keep sets"
 SAMPLING_WHY = "OpenRLHF's actor applies no top-k / top-p filter to the training logits (only the temperature)"
@@ -165,7 +169,9 @@ def flash_attn_functions() -> dict[str, Any]:
     stand-ins above."""
     try:
         from einops import rearrange as real_rearrange
-        from flash_attn.bert_padding import index_first_axis as real_index, pad_input as real_pad, unpad_input as real_unpad
+        from flash_attn.bert_padding import index_first_axis as real_index
+        from flash_attn.bert_padding import pad_input as real_pad
+        from flash_attn.bert_padding import unpad_input as real_unpad
         from flash_attn.utils.distributed import all_gather as real_all_gather
     except ImportError:
         return {"unpad_input": unpad_input, "pad_input": pad_input, "index_first_axis": index_first_axis,
@@ -288,7 +294,8 @@ class OpenRLHFTarget(CheckoutTarget):
             raise BadInput(f"OpenRLHF at {self.short()}: log_probs_from_logits takes no temperature (before #857, "
                            "45898fd7): not a tree the openrlhf target reads")
         self.capabilities = Capabilities(
-            layouts=frozenset({"ring", "thd", "bshd"}), entropy=True, entropy_grad=True, replay_keep=False, sampling=False,
+            layouts=frozenset({"ring", "thd", "bshd"}), entropy=True, entropy_grad=True, replay_keep=False,
+            sampling=False,
             tp_sizes=frozenset({1}), cp_sizes=frozenset({1}), layout_reasons=tuple(LAYOUT_WHY.items()),
             reasons=(("tp", TP_WHY), ("cp", CP_WHY), ("replay_keep", REPLAY_WHY), ("sampling", SAMPLING_WHY)),
             rule=self._rule)
@@ -307,9 +314,10 @@ class OpenRLHFTarget(CheckoutTarget):
         self._ns = None
 
     def description(self) -> dict[str, Any]:
-        entropy = ("compute_entropy as decorated (@torch.compile)" if self.torch_compile or not self.era.entropy_compiled
-                   else "compute_entropy run eagerly, its @torch.compile applied as the identity (torch.compile's "
-                        "import costs seconds a rank; --target-opt torch_compile=true runs it compiled)")
+        compiled = self.torch_compile or not self.era.entropy_compiled
+        entropy = ("compute_entropy as decorated (@torch.compile)" if compiled else
+                   "compute_entropy run eagerly, its @torch.compile applied as the identity (torch.compile's "
+                   "import costs seconds a rank; --target-opt torch_compile=true runs it compiled)")
         return {
             "calls": ("Actor.forward(sequences, action_mask, attention_mask=, return_output=True, ring_attn_group=sp "
                       "group (None for thd and bshd), return_entropy=with_entropy) with packing_samples=True (ring, "
@@ -394,7 +402,7 @@ class OpenRLHFTarget(CheckoutTarget):
         seen: dict[str, Any] = {}
         actor = ns["Actor"](_stand_in_model(logits, expected, seen), temperature=inputs.temperature)
         actor.packing_samples = packed  # set only on its str branch (a HF model loaded by name)
-        calls_before = len(self.cu_seqlens)
+        self.cu_seqlens.clear()
         action_log_probs, output = actor(
             sequences.to(device), action_mask.to(device), attention_mask=attention_mask.to(device),
             return_output=True, ring_attn_group=group, return_entropy=inputs.with_entropy)
@@ -411,7 +419,7 @@ class OpenRLHFTarget(CheckoutTarget):
             entropy = [values[i, cols] for i, cols in enumerate(masks)]
         notes = {"position_ids": seen["position_ids"].reshape(-1).tolist()}
         if ring:
-            notes["cu_seqlens"] = self.cu_seqlens[calls_before:][-1] if len(self.cu_seqlens) > calls_before else None
+            notes["cu_seqlens"] = self.cu_seqlens[-1] if self.cu_seqlens else None  # ring_flash_attn's, recorded
         return RankOutputs(log_probs, entropy, notes=notes)
 
     def repro_call(self) -> str | None:
