@@ -10,7 +10,13 @@ entropy on the unscaled logits and then divides the same tensor in place by the 
 (log_probs_from_logits' ``logits.div_(T)``), so at T != 1 the entropy is wrong (value_mismatch),
 an entropy term in the loss makes the backward raise (rank_error), and float32 logits, which the
 ``.to(float32)`` before it does not copy, are changed in place (input_mutated). When upstream fixes
-it, the pin moves and this test changes with it.
+it, the pin moves and this test changes with it. With SHARDCHECK_OPENRLHF_REPO (a clone with
+OpenRLHF's history) an unmerged branch that scales the entropy's logits first is checked to pass
+where the pin fails.
+
+Over 20 s: with a checkout and a history clone, about 15 s on a quiet 2-core machine (two runs on
+the session's world and a repro script's own 2-process world), more on a loaded one; without a
+checkout, well under a second.
 """
 
 import dataclasses
@@ -21,7 +27,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_on_world
+from conftest import export_commit, run_on_world
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.scenarios.suites import get_suite
@@ -30,6 +36,13 @@ from shardcheck.targets.base import TargetConfig
 from shardcheck.targets.openrlhf import ENV, FRAMEWORK, LAYOUT_WHY, target
 
 OPENRLHF_SRC = os.environ.get(ENV)
+REPO_ENV = "SHARDCHECK_OPENRLHF_REPO"
+needs_history = pytest.mark.skipif(
+    not os.environ.get(REPO_ENV), reason=f"{REPO_ENV} is not set: no OpenRLHF git repository with its history (a "
+    "clone of OpenRLHF/OpenRLHF) to check other commits against")
+# an unmerged branch of 2026-06-09 ("Fix entropy computed on un-temperature-scaled logits"): compute_entropy
+# takes the temperature and scales out of place; upstream merged another fix, #1319, after the pin
+EAGER_FIX = "e25dd35654e0af6fd5cf45b1f95c4bbe532402a7"
 needs_openrlhf = pytest.mark.skipif(
     not OPENRLHF_SRC, reason=f"{ENV} is not set: no OpenRLHF checkout to check (clone OpenRLHF/OpenRLHF at "
     "ci/frameworks.toml's pin and point it there; never pip install openrlhf)")
@@ -177,3 +190,21 @@ def test_a_repro_script_finds_the_backward_error(tmp_path):
     script.write_text(script_text("openrlhf", target(None, TargetConfig(OPENRLHF_SRC)), scenario, None, script.name))
     ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert ran.returncode == 1 and "modified by an inplace operation" in ran.stdout, (ran.stdout, ran.stderr)
+
+
+@needs_history
+@pytest.mark.world
+def test_the_finding_goes_with_the_entropy_scaled_first(world, tmp_path, monkeypatch):
+    """At EAGER_FIX (the temperature passed into compute_entropy, out of place) the ring scenario in
+    bfloat16 passes: the value and the backward error were both the pin's entropy on unscaled logits.
+    (Compiled, --target-opt torch_compile=true, that branch still raises in backward: its compiled
+    graph saves the logits div_ later changes; not run here, compiling costs seconds a rank.)"""
+    monkeypatch.setenv(ENV, export_commit(os.environ[REPO_ENV], EAGER_FIX, tmp_path / "e25dd356", "openrlhf/models"))
+    monkeypatch.setenv("SHARDCHECK_OPENRLHF_COMMIT", EAGER_FIX)
+    ring = _scenario("sequence_parallel", "ring-sp2-temperature")
+    scenarios = [dataclasses.replace(ring, name="ring-bf16", dtype="bfloat16"), ring]
+    report = run_on_world(world, scenarios, "openrlhf", tmp_path / "e25.json", "openrlhf").report
+    assert report["target"]["era"]["entropy_temperature"] and report["target"]["commit"] == EAGER_FIX
+    verdicts = {v["name"]: v for v in report["scenarios"]}
+    assert verdicts["ring-bf16"]["verdict"] == "pass", verdicts["ring-bf16"]["failures"]
+    assert verdicts[ring.name]["kinds"] == ["input_mutated"]  # float32: the model's logits divided in place
