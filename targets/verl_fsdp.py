@@ -84,6 +84,10 @@ TP_WHY = ("verl's FSDP engine has no vocab-parallel log-prob code: under TP its 
 CP_WHY = "verl's FSDP engine has no context parallelism (its sequence parallelism is Ulysses: layout ulysses)"
 LAYOUT_WHY = (("zigzag", CP_WHY), ("allgather", CP_WHY),
               ("ring", "ring attention's split is OpenRLHF's; verl's FSDP engine slices with Ulysses (layout ulysses)"))
+# what the stand-ins for missing third-party packages hold that is real (the rest is a stub)
+STAND_INS = {"tensordict": "TensorDict, NonTensorData and NonTensorStack are empty classes",
+             "transformers": "modeling_outputs.CausalLMOutputWithPast a dataclass of its fields, cache_utils.Cache "
+                             "a class"}
 OPTIONS = {
     "fused_kernels": "verl:fsdp only: torch (use_fused_kernels with the torch backend: the model's forward is verl's "
                      "dense_common.forward_with_torch_backend, FusedLinearForPPO on the harness's logits as the last "
@@ -318,8 +322,7 @@ class VerlFSDPTarget(CheckoutTarget):
                         sys.modules[k] = v
 
         self.checkout.undo_later(undo)
-        self.checkout.stubs.append(f"{package} (a stand-in: {', '.join(sorted(k for k in stand_in if k != package))})"
-                                   if len(stand_in) > 1 else package)
+        self.checkout.stubs.append(f"{package} (a stand-in: {STAND_INS[package]})")
 
     def _engine(self, inputs: RankInputs) -> Any:
         """An engine object holding what ``__init__`` / ``_init_device_mesh`` set that the methods read."""
