@@ -1,23 +1,35 @@
 """The framework targets as registered (the ``shardcheck.targets`` entry points verl, areal and
-skyrl): each framework's adapter with its training-step loss variant.
+skyrl): each framework's adapter with its training-step loss variant (and verl's FSDP engine).
 
 A loss module builds on its framework's adapter (``verl_loss`` on ``verl``), so the factory that
 offers both lives above the two rather than in the adapter: no circle of imports. Each adapter's
-own ``target`` builds every variant but ``loss``.
+own ``target`` builds every variant but ``loss`` (verl's: but ``loss`` and ``fsdp``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from shardcheck.targets import areal, areal_loss, skyrl, skyrl_loss, verl, verl_loss
+from shardcheck.errors import BadInput
+from shardcheck.targets import areal, areal_loss, skyrl, skyrl_loss, verl, verl_fsdp, verl_loss
 from shardcheck.targets.checkout import CheckoutFactory
 
 
-def with_loss(base: CheckoutFactory, build_loss: Callable[[Any], Any]) -> CheckoutFactory:
-    """``base``'s factory, its ``loss`` variant built by ``build_loss(config)``."""
+def with_loss(base: CheckoutFactory, build_loss: Callable[[Any], Any],
+              others: dict[str, Callable[[str, Any], Any]] | None = None) -> CheckoutFactory:
+    """``base``'s factory, its ``loss`` variant built by ``build_loss(config)`` and each variant
+    of ``others`` by its builder ``(variant, config)``."""
+    others = others or {}
+
     def build(variant: str | None, config: Any) -> Any:
-        return build_loss(config) if variant == "loss" else base(variant, config)
+        if variant in others:
+            return others[variant](variant, config)
+        if variant == "loss":
+            given = [k for k, _ in config.options if k not in LOSS_OPTIONS.get(base.framework.name, (k,))]
+            if given:
+                raise BadInput(f"target '{base.framework.name}:loss': option {given[0]} is not its own")
+            return build_loss(config)
+        return base(variant, config)
 
     return CheckoutFactory(base.framework, build, doc=base.__doc__ or "", options=base.options,
                            variants=base.variants)
@@ -28,6 +40,9 @@ def _skyrl_loss(config: Any) -> Any:
     return skyrl_loss.SkyRLLossTarget(config)
 
 
-verl_target = with_loss(verl.target, verl_loss.build)
+# the options a loss variant takes (a framework not named here: any, as before)
+LOSS_OPTIONS = {"verl": verl.LOSS_OPTIONS}
+
+verl_target = with_loss(verl.target, verl_loss.build, {"fsdp": verl_fsdp.build})
 areal_target = with_loss(areal.target, areal_loss.ArealLossTarget)
 skyrl_target = with_loss(skyrl.target, _skyrl_loss)

@@ -748,10 +748,9 @@ def call_code_under_test(logits, rank):
 
 def _build(variant: str | None, config: TargetConfig) -> VerlTarget:
     refuse_loss_variant("verl", variant, config, LOSS_OPTIONS)
-    if variant == "fsdp":  # verl's FSDP engine (Ulysses SP): its own module
-        from shardcheck.targets.verl_fsdp import build
-
-        return build(variant, config)
+    if variant == "fsdp":  # its own module builds on this one: the registered factory builds it
+        raise BadInput("verl:fsdp is built by the registered target (shardcheck.targets.frameworks: "
+                       "--target verl:fsdp)")
     if config.get("fused_kernels") is not None:
         raise BadInput("target 'verl': option fused_kernels applies to verl:fsdp only")
     if variant is None:

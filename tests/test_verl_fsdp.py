@@ -17,7 +17,8 @@ from shardcheck.scenarios.scenario import Scenario
 from shardcheck.scenarios.suites import get_suite
 from shardcheck.targets import resolve
 from shardcheck.targets.base import TargetConfig
-from shardcheck.targets.verl import ENV, target
+from shardcheck.targets.frameworks import verl_target as target
+from shardcheck.targets.verl import ENV
 from shardcheck.targets.verl_fsdp import ENGINE_FILE, METHODS
 
 VERL_SRC = os.environ.get(ENV)
