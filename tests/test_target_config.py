@@ -45,8 +45,9 @@ def test_bad_target_options_are_one_line_and_exit_2(cli_in_process, args, fragme
 @pytest.mark.world
 def test_a_one_device_target_has_something_to_check_in_every_suite(world, monkeypatch):
     """tp 1, cp 1, thd and bshd, no replay: each built-in suite has a scenario it runs (but the
-    training suite, whose every scenario is a training step: not a loss of this target's); the rest
-    are skipped with the target's reasons. The same target with its labels a row late fails."""
+    training suite, whose every scenario is a training step: not a loss of this target's, and the
+    sequence_parallel suite, whose every scenario is an sp layout); the rest are skipped with the
+    target's reasons. The same target with its labels a row late fails."""
     monkeypatch.setenv(OPTS_ENV, '[["entropy", "true"]]')
     runs = {name: runner.run(get_suite(name), "plants:one_device", reporter=SilentReport(), world=world).verdicts
             for name in sorted(SUITES)}
@@ -54,6 +55,9 @@ def test_a_one_device_target_has_something_to_check_in_every_suite(world, monkey
         passed = [v for v in verdicts if v.status == "pass"]
         if name == "training":
             assert all(v.status == "skip" and "a training step" in v.reason for v in verdicts)
+            continue
+        if name == "sequence_parallel":
+            assert all(v.status == "skip" and "not supported (supports bshd, thd)" in v.reason for v in verdicts)
             continue
         assert passed and all(v.status != "fail" for v in verdicts), (name, [v.headline() for v in verdicts])
     reasons = {v.reason for verdicts in runs.values() for v in verdicts if v.status == "skip"}
