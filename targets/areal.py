@@ -84,6 +84,10 @@ VARIANTS = {
     "forward": "MegatronEngine.forward_batch's path (compute_logp: reference, teacher and proximal log-probs): "
                "forward_backward_batch -> _compute_forward_result (gather_logprobs) -> reorder_and_pad_outputs; "
                "log-probs only; thd and zigzag on AReaL's packing",
+    "fsdp": "AReaL's FSDP engine with Ulysses SP and vocab-parallel TP: FSDPEngine._prepare_mb_inputs -> "
+            "_compute_logprobs_and_loss (_compute_logprobs_entropy: gather_logprobs_entropy, _sp_all_gather, "
+            "[:-ulysses_pad_size], [:-pad_length]) compiled alone from areal/engine/fsdp_engine.py; thd and "
+            "ulysses (shardcheck.targets.areal_fsdp)",
 }
 
 OPTIONS = {
@@ -97,6 +101,8 @@ OPTIONS = {
     "entropy_bonus": "areal:loss only: none (AReaL's: its PPO actor loss has no entropy term; a scenario with "
                      "entropy_coef != 0 is skipped, saying so) or adapter (the adapter adds -entropy_coef x the "
                      "micro-batch's masked token mean of AReaL's entropy to grpo_loss_fn's loss: its own term)",
+    "path": "areal:fsdp only: train (train_batch's _compute_logprobs_and_loss, the default) or forward "
+            "(forward_batch's _compute_forward_result, log-probs only)",
 }
 TRAIN_PATH_VARIANTS = ("engine", "loss")  # the variants on train_batch's path (reassemble_cp_packed_logprobs)
 ALL_GATHER = ("torch", "shardcheck")
@@ -385,6 +391,11 @@ def _ranks_on_nccl() -> bool:
 
 def _build(variant: str | None, config: TargetConfig) -> ArealTarget:
     refuse_loss_variant("areal", variant, config, ("entropy_bonus",))
+    if variant == "fsdp":  # its own module builds on this one: the registered factory builds it
+        raise BadInput("areal:fsdp is built by the registered target (shardcheck.targets.frameworks: "
+                       "--target areal:fsdp)")
+    if config.get("path") is not None:
+        raise BadInput("target 'areal': option path applies to areal:fsdp only")
     return ArealTarget(variant, config)
 
 

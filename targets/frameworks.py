@@ -3,7 +3,7 @@ skyrl): each framework's adapter with its training-step loss variant (and verl's
 
 A loss module builds on its framework's adapter (``verl_loss`` on ``verl``), so the factory that
 offers both lives above the two rather than in the adapter: no circle of imports. Each adapter's
-own ``target`` builds every variant but ``loss`` (verl's: but ``loss`` and ``fsdp``).
+own ``target`` builds every variant but ``loss`` (verl's and AReaL's: but ``loss`` and ``fsdp``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from shardcheck.errors import BadInput
-from shardcheck.targets import areal, areal_loss, skyrl, skyrl_loss, verl, verl_fsdp, verl_loss
+from shardcheck.targets import areal, areal_fsdp, areal_loss, skyrl, skyrl_loss, verl, verl_fsdp, verl_loss
 from shardcheck.targets.checkout import CheckoutFactory
 
 
@@ -44,5 +44,5 @@ def _skyrl_loss(config: Any) -> Any:
 LOSS_OPTIONS = {"verl": verl.LOSS_OPTIONS}
 
 verl_target = with_loss(verl.target, verl_loss.build, {"fsdp": verl_fsdp.build})
-areal_target = with_loss(areal.target, areal_loss.ArealLossTarget)
+areal_target = with_loss(areal.target, areal_loss.ArealLossTarget, {"fsdp": areal_fsdp.build})
 skyrl_target = with_loss(skyrl.target, _skyrl_loss)

@@ -1,0 +1,396 @@
+"""AReaL's FSDP engine's log-prob and entropy path, with Ulysses sequence parallelism and
+vocabulary-parallel TP, from a source checkout: ``--target areal:fsdp``.
+
+What runs is AReaL's own code, from the checkout: the methods of ``FSDPEngine`` between the
+micro-batch and the loss (``_prepare_mb_inputs``, ``_sp_all_gather``, ``_get_vocab_min_max_logits``,
+``_compute_logprobs_entropy``, ``_compute_logprobs``, ``_compute_values``,
+``_compute_logprobs_and_loss``, ``_compute_forward_result``) and the file's ``FSDPTrainContext``,
+compiled alone from ``areal/engine/fsdp_engine.py`` (its path and line numbers kept: tracebacks
+and coverage name AReaL's lines). The module around them imports peft, transformers, torchdata and
+AReaL's whole training stack; every name the methods read from outside themselves is bound as the
+file's own imports bind it: ``torch``, ``dist_F`` (torch.distributed.nn.functional),
+``ulysses_pad``, ``ulysses_pad_and_slice_inputs`` and ``ulysses_prepare_inputs`` (AReaL's
+``areal/models/fsdp/ulysses.py``, imported from the checkout: torch only), ``gather_logprobs`` and
+``gather_logprobs_entropy`` (``areal.utils.functional`` re-exports them from
+``areal/utils/functional/vocab_parallel.py``; compiled alone from that file, as the ``areal``
+target does, since the package's ``__init__`` imports the config system: the module's NPU check
+and the torch.compile of its tp = 1 helpers are not run, they run eagerly). The tree-training
+names (``gather_packed_tree_*``) are read only on ``enable_tree_training``'s branch, which is off:
+they are bound to a function that raises, naming itself. A name the file does not import refuses
+the checkout in one line; nothing is guessed.
+
+``train_batch``'s sequence is followed for one micro-batch: ``forward_backward_batch`` calls
+``_prepare_mb_inputs(mb_item)`` (with sp > 1: ``ulysses_pad_and_slice_inputs`` on the packed ids
+and positions, then ``ulysses_prepare_inputs``: the labels ``rolled_input_ids`` rolled over the
+whole padded micro-batch, then padded and sliced), the model (here: the harness's logits for this
+rank, ``outputs.logits.squeeze(0)``), then ``train_batch``'s ``process_output``:
+``_compute_logprobs_and_loss`` with ``loss_multiplier`` = dp size (1). That computes the local
+log-probs and entropy with ``gather_logprobs_entropy`` (``tp_group`` the TP group at tp > 1, as
+``ColwiseParallel``'s lm_head hands each TP rank its vocabulary shard), gathers them over the sp
+group with ``_sp_all_gather`` (``dist_F.all_gather``, whose backward sums over the group: the
+harness's contract for the sp layouts, its loss divided by sp), trims ``[:-ulysses_pad_size]``
+then ``[:-pad_length]``, and hands them to the loss: a recorder of what AReaL hands it (its
+result, scaled by AReaL, is dropped; the harness takes its own loss over the recorded values).
+``--target-opt path=forward`` runs ``forward_batch``'s ``process_output`` instead
+(``compute_logp``: ``_compute_forward_result`` -> ``_compute_logprobs``, log-probs only; AReaL runs
+it under no_grad, its gradient is checked too).
+
+The micro-batch is built as ``_prepare_mb_list`` hands it (``MicroBatchItem``'s fields read:
+``padded_mb``, ``orig_mb``, ``padding_length``): the packed samples (``input_ids``,
+``position_ids`` restarting at each sample as ``amend_position_ids`` makes them, ``loss_mask`` over
+the response tokens, ``cu_seqlens``, ``max_seqlen``), ``[1, T]``, with ``padding_length`` 0: the
+harness's ``ulysses`` layout pads the packed sequence only to a multiple of sp, which is what
+AReaL's Ulysses pad does; AReaL's page pad (``pad_mb_list``, to a multiple of 256 tokens) is not
+applied (it would make every power-of-two sp's Ulysses pad 0).
+
+The engine object is not built (its ``__init__`` and ``initialize`` build the model, the optimizer
+and the device mesh): the methods run on an object holding what they read: ``parallel_helper``
+(sp_size, tp_size, tp_group, dp_size), ``sp_group``, ``config`` (temperature, is_critic False),
+``is_vision_model`` False, ``enable_tree_training`` False. The Ulysses group is set as
+``_ensure_ready`` sets it (``set_ulysses_sequence_parallel_group(self.sp_group)``) and restored
+after.
+
+CPU: torch's ``dist_F.all_gather`` backward on gloo (``_AlltoAll``) scatters with the group's rank
+as a global ``src``: it fails for an sp group other than global ranks 0..sp-1 (tp 2 x sp 2: sp
+groups {0, 2} and {1, 3}); such scenarios are skipped on gloo with that reason (a torch
+limitation, not AReaL's). nccl runs them.
+
+Not reached: the model's forward (the Ulysses attention's all-to-all, ``ulyssess_patch.py``),
+``_prepare_mb_list`` (AReaL's packing and its page pad), VLMs (``ulysses_pad`` alone), tree
+training, the critic's values, the loss functions and their scaling (``areal:loss`` checks the
+PPO loss on the Megatron engine), commits before 0369627d4 (the engine's train_batch / forward
+were one method with the model call, the micro-batch exchange and the optimizer inline).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.scenarios.scenario import Scenario
+from shardcheck.targets.areal import ENTRY_POINTS, FRAMEWORK, VOCAB_PARALLEL_FILE, _closure, _ranks_on_nccl
+from shardcheck.targets.base import Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.checkout import CheckoutTarget
+from shardcheck.targets.compiled import _not_loaded, compile_alone, names_read
+from shardcheck.targets.source import functions_named, parameters
+from shardcheck.targets.verl_fsdp import _imports
+
+ENGINE_FILE = Path("areal/engine/fsdp_engine.py")
+ENGINE_PACKAGE = "areal.engine"
+# where ulysses.py is: areal/models/fsdp/ since 7927735cb, areal/utils/ before
+ULYSSES_FILES = (Path("areal/models/fsdp/ulysses.py"), Path("areal/utils/ulysses.py"))
+FUNCTIONAL_MODULE = "areal.utils.functional"
+FUNCTIONAL_INIT = Path("areal/utils/functional/__init__.py")
+CLASS = "FSDPEngine"
+METHODS = ("_prepare_mb_inputs", "_sp_all_gather", "_get_vocab_min_max_logits", "_compute_logprobs_entropy",
+           "_compute_logprobs", "_compute_values", "_compute_logprobs_and_loss", "_compute_forward_result")
+CONTEXT = "FSDPTrainContext"
+# read only where enable_tree_training is on (off here)
+OFF_PATH = ("gather_packed_tree_vocab_stats", "gather_packed_tree_logprobs_entropy", "_gather_packed_tree_logprobs")
+PATHS = ("train", "forward")
+OPTIONS = {
+    "path": "train (train_batch's process_output: _compute_logprobs_and_loss, log-probs and entropy; the default) or "
+            "forward (forward_batch's: _compute_forward_result, log-probs only, as compute_logp)",
+}
+GLOO_WHY = ("AReaL's _sp_all_gather calls torch.distributed.nn.functional.all_gather, whose backward on gloo "
+            "(_AlltoAll) scatters with the sp group's rank as a global src: it fails for an sp group other than "
+            "global ranks 0..sp-1 (tp 2 x sp 2: sp groups {0, 2} and {1, 3}); a torch limitation, not AReaL's; "
+            "nccl runs it")
+CP_WHY = "AReaL's FSDP engine has no context parallelism: its sequence parallelism is Ulysses (layout ulysses)"
+LAYOUT_WHY = (("zigzag", CP_WHY), ("allgather", CP_WHY),
+              ("ring", "ring attention's split is OpenRLHF's; AReaL's FSDP engine slices with Ulysses (layout ulysses)"),
+              ("bshd", "AReaL's FSDP engine packs every micro-batch (pack_tensor_dict): thd, and ulysses under sp"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArealFSDPEra:
+    """What the checkout offers: the engine's methods compiled and where its ulysses.py is."""
+
+    methods: tuple[str, ...]
+    ulysses_file: str
+
+
+def engine_tree(src: Path) -> tuple[ast.Module, dict[str, ast.AST]] | None:
+    """The engine file and the definitions compiled from it (:data:`METHODS` of FSDPEngine and
+    :data:`CONTEXT`); None where one is missing (before 0369627d4 / 79b742c12)."""
+    tree = FRAMEWORK.parse(src, ENGINE_FILE)
+    if tree is None:
+        return None
+    top = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    cls = top.get(CLASS)
+    found: dict[str, ast.AST] = {}
+    for method in METHODS:
+        fn = next((f for f in getattr(cls, "body", []) if isinstance(f, ast.FunctionDef) and f.name == method), None)
+        if fn is None:
+            return None
+        found[method] = fn
+    if CONTEXT not in top:
+        return None
+    found[CONTEXT] = top[CONTEXT]
+    return tree, found
+
+
+class ArealFSDPTarget(CheckoutTarget):
+    """AReaL's FSDP engine (FSDPEngine's methods between the micro-batch and the loss, compiled alone
+    from its file): log-probs and entropy of the rank's Ulysses slice, gathered over the sp group"""
+
+    framework = FRAMEWORK
+    name = "areal:fsdp"
+    # entropy: -sum p log p (_gather_logprobs_entropy / _VocabParallelLogProbsEntropy), the positive sign
+    definitions = Definitions()
+
+    def __init__(self, config: TargetConfig) -> None:
+        self.path = config.get("path", "train")
+        if self.path not in PATHS:
+            raise BadInput(f"target 'areal:fsdp': option path={self.path!r}: expected train or forward")
+        super().__init__(config.src)
+        found = engine_tree(self.src)
+        if found is None:
+            raise BadInput(f"AReaL at {self.short()} has no FSDP engine this target drives: {ENGINE_FILE} with "
+                           f"{CLASS}.{', '.join(METHODS)} and {CONTEXT} (they came with 0369627d4 and 79b742c12)")
+        self._tree, self._defs = found
+        ulysses = next((f for f in ULYSSES_FILES if (self.src / f).is_file()), None)
+        fn = functions_named(FRAMEWORK.parse(self.src, VOCAB_PARALLEL_FILE), "gather_logprobs_entropy")
+        if ulysses is None or not fn or "tp_group" not in parameters(fn[0]):
+            raise BadInput(f"AReaL at {self.short()} has no {' or '.join(map(str, ULYSSES_FILES))}, or no "
+                           f"{VOCAB_PARALLEL_FILE} with gather_logprobs_entropy(tp_group)")
+        self.era = ArealFSDPEra(tuple(f"{CLASS}.{m}" for m in METHODS), str(ulysses))
+        self.ulysses_module = str(ulysses.with_suffix("")).replace("/", ".")
+        self.framework_files = (str(ENGINE_FILE), str(ulysses), str(VOCAB_PARALLEL_FILE))
+        forward = self.path == "forward"
+        self.capabilities = Capabilities(
+            layouts=frozenset({"thd", "ulysses"}), entropy=not forward,
+            cp_sizes=frozenset({1}), layout_reasons=LAYOUT_WHY, rule=self._rule,
+            reasons=(("cp", CP_WHY),
+                     ("entropy", "forward_batch computes log-probs only (_compute_forward_result: _compute_logprobs)"),
+                     ("replay_keep", "AReaL normalises over the whole vocabulary: it replays no keep sets"),
+                     ("sampling", "AReaL applies no top-k / top-p filter to the training logits")))
+        self._engine_cls: Any = None
+        self._ulysses: Any = None
+        self.read_names: list[str] = []
+
+    @staticmethod
+    def _rule(scenario: Scenario) -> str | None:
+        if scenario.sp > 1 and scenario.tp > 1 and not _ranks_on_nccl():
+            return GLOO_WHY
+        return None
+
+    # -- loading -----------------------------------------------------------------------------
+    def forget(self) -> None:
+        self._engine_cls, self._ulysses = None, None
+
+    def _functions(self) -> dict[str, Any]:
+        """gather_logprobs(_entropy), as ``areal.utils.functional`` re-exports them from
+        vocab_parallel.py, compiled alone from that file."""
+        import functools
+
+        import torch
+        import torch.distributed as dist
+
+        init = FRAMEWORK.parse(self.src, FUNCTIONAL_INIT)
+        exported = {a.asname or a.name for n in getattr(init, "body", []) if isinstance(n, ast.ImportFrom)
+                    and n.module == "areal.utils.functional.vocab_parallel" for a in n.names}
+        if not set(ENTRY_POINTS) <= exported:
+            raise BadInput(f"AReaL at {self.short()}: {FUNCTIONAL_INIT} does not re-export {', '.join(ENTRY_POINTS)} "
+                           f"from {VOCAB_PARALLEL_FILE}")
+        tree = FRAMEWORK.parse(self.src, VOCAB_PARALLEL_FILE)
+        try:
+            return compile_alone(self.src / VOCAB_PARALLEL_FILE, _closure(tree, ENTRY_POINTS),
+                                 {"torch": torch, "dist": dist, "functools": functools})
+        except LookupError as exc:
+            raise BadInput(f"AReaL at {self.short()}: {exc}") from None
+
+    def _load(self) -> Any:
+        if self._engine_cls is not None:
+            return self._engine_cls
+        import __future__
+        import builtins
+        import importlib
+        import symtable
+
+        path = self.src / ENGINE_FILE
+        methods = [self._defs[m] for m in METHODS]
+        for fn in methods:
+            fn.decorator_list = []
+        context = self._defs[CONTEXT]
+        cls = ast.ClassDef(name=CLASS, bases=[], keywords=[], body=methods, decorator_list=[], type_params=[])
+        module = ast.fix_missing_locations(ast.Module(body=[context, cls], type_ignores=[]))
+        table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(path), "exec")
+        reads: set[str] = set()
+        for child in table.get_children():
+            reads |= names_read(child)
+        reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()}
+        reads -= set(dir(builtins)) | {CONTEXT, CLASS, "annotations"}
+        imports = _imports(self._tree, ENGINE_PACKAGE)
+        unknown = sorted(n for n in reads if n not in imports)
+        if unknown:
+            raise BadInput(f"AReaL at {self.short()}: the FSDP engine's methods read {', '.join(unknown)}, which "
+                           f"{ENGINE_FILE} does not import (the adapter binds only what the file imports)")
+        functions = None
+        given: dict[str, Any] = {}
+        for name in sorted(reads):
+            mod_name, attr = imports[name]
+            if name in OFF_PATH:
+                given[name] = _not_loaded(name, path)
+            elif mod_name == FUNCTIONAL_MODULE and attr in ENTRY_POINTS:
+                functions = functions or self._functions()
+                given[name] = functions[attr]
+            elif FRAMEWORK.owns(mod_name):
+                if mod_name != self.ulysses_module:
+                    raise BadInput(f"AReaL at {self.short()}: the FSDP engine's methods read {name} from {mod_name}, "
+                                   "which the adapter does not load")
+                mod = self.import_module(mod_name)
+                given[name] = mod if attr is None else getattr(mod, attr)
+            else:
+                mod = importlib.import_module(mod_name)
+                given[name] = mod if attr is None else getattr(mod, attr)
+        self.read_names = sorted(reads)
+        self._ulysses = self.import_module(self.ulysses_module)
+        # a module of its own in sys.modules while the target is loaded: dataclasses resolves
+        # FSDPTrainContext's (string) annotations through it
+        name = "shardcheck_areal_fsdp_engine"
+        holder = types.ModuleType(name)
+        holder.__file__ = str(path)
+        vars(holder).update(given)
+        saved = sys.modules.get(name)
+        sys.modules[name] = holder
+
+        def undo() -> None:
+            if sys.modules.get(name) is holder:
+                if saved is None:
+                    del sys.modules[name]
+                else:
+                    sys.modules[name] = saved
+
+        self.checkout.undo_later(undo)
+        code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        exec(code, vars(holder))  # noqa: S102 - AReaL's own methods, from its file
+        self._engine_cls = vars(holder)[CLASS]
+        return self._engine_cls
+
+    def _engine(self, inputs: RankInputs) -> Any:
+        """An engine object holding what ``__init__`` / ``create_process_group`` set that the methods read."""
+        engine = object.__new__(self._load())
+        engine.parallel_helper = types.SimpleNamespace(
+            sp_size=inputs.sp_size, tp_size=inputs.tp_size, dp_size=1,
+            tp_group=inputs.tp_group if inputs.tp_size > 1 else None)
+        engine.sp_group = inputs.sp_group if inputs.sp_size > 1 else None
+        engine.config = types.SimpleNamespace(temperature=inputs.temperature, is_critic=False)
+        engine.is_vision_model = False
+        engine.enable_tree_training = False
+        return engine
+
+    # -- the report -----------------------------------------------------------------------------
+    def description(self) -> dict[str, Any]:
+        calls = {"train": "_prepare_mb_inputs, the harness's logits as the model's (squeeze(0)), "
+                          "_compute_logprobs_and_loss (loss_multiplier = dp size 1) -> _compute_logprobs_entropy "
+                          "(gather_logprobs_entropy, _sp_all_gather, [:-ulysses_pad_size]), "
+                          "_get_vocab_min_max_logits, [:-pad_length]; the loss a recorder",
+                 "forward": "_prepare_mb_inputs, the harness's logits as the model's (squeeze(0)), "
+                            "_compute_forward_result -> _compute_logprobs (gather_logprobs, _sp_all_gather, "
+                            "[:-ulysses_pad_size]), [:-pad_length]"}[self.path]
+        return {"path": self.path, "calls": f"{ENGINE_FILE}: {CLASS}: {calls}",
+                "compiled_alone": [f"{CLASS}.{m}" for m in METHODS] + [CONTEXT],
+                "names_bound_from_the_engine_file's_imports": self.read_names,
+                "off_path": list(OFF_PATH),
+                "ulysses_group": "set_ulysses_sequence_parallel_group(sp group) as _ensure_ready does; restored after",
+                "micro_batch": "packed [1, T] (input_ids, position_ids per sample, loss_mask, cu_seqlens, "
+                               "max_seqlen), padding_length 0 (AReaL's page pad not applied)",
+                "entropy": "-sum p log p; detached where the scenario's entropy_coef is 0, as AReaL's losses "
+                           "detach it",
+                "chunk_size": "AReaL's 1024 (the engine passes none)",
+                "not_run": ["vocab_parallel.py's module top level (the NPU check, torch.compile of the tp=1 helpers: "
+                            "they run eagerly)", "the package __init__.py files of the modules imported"],
+                "framework_files": list(self.framework_files)}
+
+    # -- the computation -------------------------------------------------------------------------
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        import torch
+        import torch.distributed as dist
+
+        engine = self._engine(inputs)
+        ulysses = self._ulysses
+        logits = inputs.logits
+        device = logits.device
+        lengths, responses = list(inputs.total_lengths), list(inputs.response_lengths)
+        ids = torch.cat([t[:n] for t, n in zip(inputs.tokens, lengths)]).to(device).unsqueeze(0)
+        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
+        loss_mask = torch.cat([torch.cat([torch.zeros(n - r, dtype=torch.bool, device=device),
+                                          torch.ones(r, dtype=torch.bool, device=device)])
+                               for n, r in zip(lengths, responses)]).unsqueeze(0)
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        mb = {"input_ids": ids, "position_ids": position_ids, "loss_mask": loss_mask, "cu_seqlens": cu,
+              "max_seqlen": max(lengths), "use_cache": False}
+        mb_item = types.SimpleNamespace(orig_mb=dict(mb), padded_mb=dict(mb), padding_length=0, old_cu_seqlens=None,
+                                        padded_to_length=None)
+        group = engine.sp_group
+        if group is not None and dist.get_rank(group=group) != inputs.sp_rank:
+            raise RuntimeError(f"shardcheck's areal:fsdp adapter: sp rank {inputs.sp_rank} is rank "
+                               f"{dist.get_rank(group=group)} of its sp group")
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        if group is not None:
+            ulysses.set_ulysses_sequence_parallel_group(group)
+        try:
+            model_inputs, ctx = engine._prepare_mb_inputs(mb_item)
+            self._check_rows(inputs, model_inputs["input_ids"])
+            local = logits.squeeze(0)  # forward_backward_batch: outputs.logits.squeeze(0)
+            seen: dict[str, Any] = {}
+            if self.path == "train":
+                def loss_fn(logprobs: Any, entropy: Any, mb_input: Any, **kwargs: Any) -> Any:
+                    seen.update(logprobs=logprobs, entropy=entropy)
+                    return logprobs.sum() * 0.0
+
+                weight = lambda m: m["loss_mask"].count_nonzero()  # noqa: E731 - the PPO actor's token count
+                engine._compute_logprobs_and_loss(local, ctx, loss_fn, weight, weight(mb), loss_multiplier=1)
+            else:
+                seen["logprobs"] = engine._compute_forward_result(local, ctx)
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
+        logprobs, entropy = seen["logprobs"], seen.get("entropy")
+        if logprobs.shape != (sum(lengths),):
+            raise RuntimeError(f"AReaL's engine hands its loss log-probs of shape {tuple(logprobs.shape)} for a packed "
+                               f"micro-batch of {sum(lengths)} tokens")
+        # row p scores token p + 1: response token j of sample i is scored at start_i + prompt_i - 1 + j
+        starts = cu[:-1].tolist()
+        picks = [s + (n - r - 1) + torch.arange(r, device=logprobs.device)
+                 for s, n, r in zip(starts, lengths, responses)]
+        ent = None
+        if inputs.with_entropy and entropy is not None:
+            kept = entropy if inputs.entropy_coef else entropy.detach()
+            ent = [kept[p] for p in picks]
+        return RankOutputs([logprobs[p] for p in picks], ent)
+
+    def _check_rows(self, inputs: RankInputs, ids: Any) -> None:
+        """AReaL's slice of the packed ids (what its model would see on this rank) must be the
+        tokens of the harness's rows for this rank, else the adapter's error."""
+        import torch
+
+        layout = inputs.rank_layout
+        samples = layout.scenario.samples
+        want = torch.tensor([int(inputs.tokens[s][p]) if s < len(samples) and p < samples[s].total else 0
+                             for s, p in layout.row_positions()], dtype=torch.int64)
+        got = ids.reshape(-1).cpu().to(torch.int64)
+        if got.shape != want.shape or not torch.equal(got, want):
+            raise RuntimeError(f"shardcheck's areal:fsdp adapter: AReaL's engine hands this rank's model other tokens "
+                               f"({got.tolist()}) than the harness's rows hold ({want.tolist()})")
+
+
+def build(variant: str | None, config: TargetConfig) -> ArealFSDPTarget:
+    given = [k for k, _ in config.options if k not in OPTIONS]
+    if given:
+        raise BadInput(f"target 'areal:fsdp': option {given[0]} is not areal:fsdp's (its options: "
+                       f"{', '.join(OPTIONS)})")
+    return ArealFSDPTarget(config)
+
+
+def make(config: TargetConfig | None = None) -> ArealFSDPTarget:
+    """areal:fsdp by module path (``shardcheck.targets.areal_fsdp:make``), with its options"""
+    return build("fsdp", config or TargetConfig())
+
+
+make.options = OPTIONS  # type: ignore[attr-defined]
