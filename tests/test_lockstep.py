@@ -150,3 +150,22 @@ def test_no_frame_of_the_harness_is_named_as_a_call_site():
     missed = [str(p) for p in own if not str(p.resolve()).startswith(trace._SKIPPED)]
     assert not missed, missed
     assert not str(Path(builtin.__file__).resolve()).startswith(trace._SKIPPED)
+
+
+def test_the_4_rank_world_holds_sp2_x_dp2_and_tp2_x_sp2_cells(world):
+    """The sequence-parallel groups the builtin's Ulysses gather runs in, as the trace sees them: an
+    sp 2 scenario in the 4-rank world is two data-parallel copies, sp groups [0, 1] and [2, 3]; tp 2
+    x sp 2 takes the 4 ranks, TP fastest (tp groups [0, 1], [2, 3]; sp groups [0, 2], [1, 3]). Each
+    gather is one all-to-all a field in forward and its transpose in backward."""
+    suite = {sc.name: sc for sc in get_suite("sequence_parallel")}
+    cells = [suite["ulysses-sp2-padded"], suite["ulysses-tp2-sp2-chunks"]]
+    result = runner.run(cells, "builtin", reporter=SilentReport(), world=world, trace=True)
+    assert result.exit_code == 0, [v.headline() for v in result.verdicts]
+    for v, want in zip(result.verdicts, ([[0, 1], [2, 3]], [[0, 2], [1, 3]])):
+        gathers = [(c["ranks"], c["phase"]) for trace in v.traces.values() for c in trace
+                   if c["op"] == "all_to_all_single"]
+        assert sorted({tuple(r) for r, _ in gathers}) == [tuple(g) for g in want], (v.scenario.name, gathers)
+        assert {p for _, p in gathers} == {"forward", "backward"}
+    tp_calls = {tuple(c["ranks"]) for trace in result.verdicts[1].traces.values() for c in trace
+                if c["op"] != "all_to_all_single"}
+    assert tp_calls == {(0, 1), (2, 3)}, tp_calls

@@ -65,14 +65,17 @@ def test_every_hang_mutant_is_caught_by_simulation(fake, name):
     assert found[0].details.get("simulated") and " call " in found[0].message
 
 
-def test_sequence_parallel_layouts_are_simulated_at_sp_8_to_64():
+def test_sequence_parallel_layouts_are_simulated_at_sp_8_and_64():
     # a packed sequence of sp + 3 tokens: 2 rows a rank, the ranks past the middle hold only padding
-    sizes = (8, 16, 32, 64)
+    # the ends of the range (16 and 32 cost seconds and show nothing 8 and 64 do not); the mutant's
+    # gather is the same code under either layout
+    sizes = (8, 64)
     scenarios = [Scenario(f"{layout}-sp{sp}", (Sample(sp + 3, 2),), vocab=4, sp=sp, layout=layout, seed=sp)
                  for sp in sizes for layout in ("ulysses", "ring")]
     with FakeWorld(list(sizes), timeout=60) as world:
         good = runner.run(scenarios, "builtin", reporter=SilentReport(), world=world).verdicts
-        bad = runner.run(scenarios, "builtin:ulysses_skip_padding_rank", reporter=SilentReport(), world=world).verdicts
+        bad = runner.run([sc for sc in scenarios if sc.layout == "ulysses"], "builtin:ulysses_skip_padding_rank",
+                         reporter=SilentReport(), world=world).verdicts
     assert [v.status for v in good] == ["pass"] * len(scenarios), [v.headline() for v in good]
     for v in bad:  # every size: the padding-only ranks skip the gather, the others wait in it
         [hang] = [f for f in v.failures if f.kind == "collective_mismatch"]
