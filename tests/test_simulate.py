@@ -270,14 +270,14 @@ def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target(t
 
 
 def test_a_training_step_of_dp_x_tp_x_cp_ranks_is_checked_for_hangs():
-    """dp 8 x tp 2 x cp 4 = 64 simulated ranks, every one of them (a 512-rank step takes about 6 s:
+    """dp 4 x tp 2 x cp 4 = 32 simulated ranks, every one of them (a 512-rank step takes about 6 s:
     docs/training.md): the whole step (megatron-core's schedule, DDP's gradient all-reduce) on the
     fake world. Long prompts leave CP ranks no response token; a loss that does not reach its
     logits there skips the model's CP collective in backward: a collective mismatch."""
-    samples = tuple(Sample(61, 3) if i % 2 else Sample(40, 2) for i in range(8))
-    scenario = Scenario("step-64", samples, vocab=32, dp=8, tp=2, cp=4, layout="zigzag")
-    assert scenario.ranks == 64
-    with FakeWorld([64], timeout=120) as world:
+    samples = tuple(Sample(61, 3) if i % 2 else Sample(40, 2) for i in range(4))
+    scenario = Scenario("step-32", samples, vocab=32, dp=4, tp=2, cp=4, layout="zigzag")
+    assert scenario.ranks == 32
+    with FakeWorld([32], timeout=120) as world:
         [good] = runner.run([scenario], "builtin:loss", reporter=SilentReport(), world=world).verdicts
         [bad] = runner.run([scenario], "plants:StepLossMissesLogits", reporter=SilentReport(), world=world).verdicts
     assert good.status == "pass", good.headline()
