@@ -73,6 +73,9 @@ from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
                                      layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.nemo_rl_dtensor import CALLS as DTENSOR_CALLS
+from shardcheck.targets.nemo_rl_dtensor import NemoRLDTensorDataPath, cp_logprobs
+from shardcheck.targets.nemo_rl_dtensor import sampling_reason as dtensor_sampling_reason
 from shardcheck.targets.nemo_rl_data import (DATA_FILE, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath, NemoRLLossPath,
                                              has_fused_loss, has_packing, has_unfused_loss)
 from shardcheck.targets.source import Framework, parameters
@@ -99,6 +102,10 @@ OPTIONS = {
                             "the harness then reports that write as input_mutated at the adapter's line",
     "layout": "framework (NeMo-RL's _pack_sequences_for_megatron lays out thd and zigzag rows, the default where "
               "the checkout has it) or shardcheck (the harness's rows, each sequence padded to 2*cp)",
+    "call": "nemo_rl:dtensor only: train (default: its train step's prepare_loss_input -> "
+            "get_next_token_logprobs_from_logits, which does not hand chunk_size on) or get_logprobs (its "
+            "get_logprobs: get_logprobs_from_vocab_parallel_logits with logprob_chunk_size, ChunkedDistributedLogprob"
+            "(WithSampling); the worker runs it under no_grad, here with grad so that its backward is checked)",
     "token_level_loss": "nemo_rl:loss only: NeMo-RL's loss_fn.token_level_loss (default true: the global batch's "
                         "token mean; false: each sample's token mean, averaged over the samples)",
 }
@@ -248,7 +255,11 @@ VARIANTS = {
     "dtensor": "NeMo-RL's DTensor worker's path: get_next_token_logprobs_from_logits on logits that are a DTensor "
                "sharded over the vocabulary (Shard(-1)) on a DeviceMesh ('tp',) built from the rank's TP group -> "
                "get_logprobs_from_vocab_parallel_logits -> dtensor_from_parallel_logits_to_logprobs (with a "
-               "scenario's top-k / top-p, sampling_params: DistributedLogprobWithSampling); bshd, cp 1",
+               "scenario's top-k / top-p, sampling_params: DistributedLogprobWithSampling); bshd at cp 1; at cp > 1 "
+               "(scenario layout zigzag) the worker's CP: the padded [B, S] batch sharded by torch's "
+               "context_parallel (head-tail load-balanced where S % 2cp == 0, else contiguous), seq_index, "
+               "input_ids a DTensor on the cp mesh, logits [Shard(1), Shard(-1)] on a ('cp','tp') mesh, "
+               "NeMo-RL's own CP gather (full_tensor) and the worker's loss *= cp_size",
     "sampling": "the default paths with sampling_params=TrainingSamplingParams(top_k, top_p, temperature) from "
                 "the scenario (DistributedLogprobWithSampling / ChunkedDistributedLogprobWithSampling); a "
                 "scenario without top-k/top-p passes params that filter nothing",
@@ -270,6 +281,12 @@ class NemoRLTarget(CheckoutTarget):
             self.temperature_in_place = config.flag("temperature_in_place")
         except ValueError as exc:
             raise BadInput(f"target 'nemo_rl': {exc}") from None
+        self.dtensor_call = config.get("call", "train")
+        if self.dtensor_call not in DTENSOR_CALLS:
+            raise BadInput(f"target 'nemo_rl': option call={self.dtensor_call!r}: expected "
+                           f"{' or '.join(DTENSOR_CALLS)}")
+        if config.get("call") is not None and variant != "dtensor":
+            raise BadInput("option call is nemo_rl:dtensor's (which of its DTensor worker's calls)")
         layout = layout_option(config, "target 'nemo_rl': ")
         self.layout_option = layout
         self.variant = variant
@@ -286,22 +303,32 @@ class NemoRLTarget(CheckoutTarget):
         if variant == "fused_loss" and not self.era.fused_loss:
             raise BadInput(f"NeMo-RL at {self.short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
                            "later): use nemo_rl:pre_rolled")
-        self.data_path = (NemoRLDataPath(self.src, self._module)
-                          if layout == "framework" and self.era.packing and self.era.packed else None)
+        if variant == "dtensor":
+            self.data_path = NemoRLDTensorDataPath() if layout == "framework" else None
+        else:
+            self.data_path = (NemoRLDataPath(self.src, self._module)
+                              if layout == "framework" and self.era.packing and self.era.packed else None)
         if variant == "fused_loss" and self.data_path is None:
             raise BadInput(f"target 'nemo_rl:fused_loss' runs on NeMo-RL's own packing ({DATA_FILE}); "
                            f"{'layout=shardcheck was asked' if layout != 'framework' else 'this checkout has none'}")
         self.framework_files = tuple(str(f) for f in (MODEL_UTILS, SAMPLING_FILE) if (self.src / f).is_file()) + (
-            (str(DATA_FILE),) if self.data_path is not None else ()) + (
+            (str(DATA_FILE),) if self.data_path is not None and variant != "dtensor" else ()) + (
             (str(LOSS_UTILS_FILE), str(WRAPPER_FILE)) if self._through_loss() else ())
         self.capabilities = self._capabilities()
         # ChunkedDistributedEntropy returns sum p log p: the reference follows, the adapter never negates.
         # With CP every log-prob path gathers (AllGatherCPTensor, allgather_cp_sharded_tensor): each
         # CP rank holds, and takes its loss over, the whole sequence; the entropy stays on its own rows.
-        self.definitions = Definitions(entropy_sign=-1, entropy_source=f"NeMo-RL's {ENTROPY}",
-                                       loss_over="gathered", entropy_over="held",
-                                       loss_source="NeMo-RL's log-probs gathered over CP by AllGatherCPTensor / "
-                                                   "allgather_cp_sharded_tensor")
+        if variant == "dtensor":
+            # no entropy on this path; with CP its log-probs are gathered by DTensor.full_tensor()
+            self.definitions = Definitions(loss_over="gathered", loss_source=(
+                "NeMo-RL's DTensor log-probs gathered over CP by DTensor.full_tensor() in "
+                "dtensor_from_parallel_logits_to_logprobs, whose backward keeps each rank's slice; its worker's "
+                "loss *= dp_size * cp_size before backward"))
+        else:
+            self.definitions = Definitions(entropy_sign=-1, entropy_source=f"NeMo-RL's {ENTROPY}",
+                                           loss_over="gathered", entropy_over="held",
+                                           loss_source="NeMo-RL's log-probs gathered over CP by AllGatherCPTensor / "
+                                                       "allgather_cp_sharded_tensor")
         self._mod: Any = None
         self._sampling_mod: Any = None
         self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
@@ -318,11 +345,14 @@ class NemoRLTarget(CheckoutTarget):
             "allgather": "NeMo-RL has no all-gather CP: its Megatron CP is zigzag (2*cp load-balanced chunks "
                          "per sequence) only"}
         if self.variant == "dtensor":
-            reasons["thd"] = reasons["zigzag"] = ("NeMo-RL's DTensor worker hands get_next_token_logprobs_from_logits "
-                                                  "[batch, sequence] batches (bshd) here")
-            cp_sizes = frozenset({1})
-            cp_reason = ("the DTensor path's CP (a 'cp' mesh dimension and seq_index, with its own gather) is not "
-                         "run by nemo_rl:dtensor yet")
+            reasons["thd"] = ("NeMo-RL's DTensor worker hands get_next_token_logprobs_from_logits "
+                              "[batch, sequence] batches (bshd; zigzag at cp > 1: torch's context_parallel) here")
+            if self.data_path is not None:
+                layouts.add("zigzag")  # what torch's context_parallel makes of the [B, S] batch (load-balanced)
+            else:
+                reasons["zigzag"] = ("NeMo-RL's DTensor CP shards a [B, S] batch with torch's context_parallel "
+                                     "(layout=framework): shardcheck's packed zigzag rows are not its")
+            cp_sizes, cp_reason = None, ""
         elif self.variant == "fused_loss":
             layouts = {"thd", "zigzag"}
             reasons["bshd"] = ("NeMo-RL's fused packed loss runs with sequence packing only (thd, zigzag): bshd "
@@ -355,6 +385,9 @@ class NemoRLTarget(CheckoutTarget):
         framework_rows = self.data_path is not None
 
         def sampling_shape(scenario: Scenario) -> str | None:
+            if self.variant == "dtensor" and scenario.layout == "zigzag":
+                return (dtensor_sampling_reason(scenario, chunked=self.dtensor_call == "get_logprobs")
+                        if _filters(scenario_sampling(scenario)) else None)
             return sampling_shape_reason(scenario, framework_rows and scenario.layout in ("thd", "zigzag"))
 
         return Capabilities(
@@ -386,6 +419,10 @@ class NemoRLTarget(CheckoutTarget):
             "temperature": ("logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
                             else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
             "cp_on_cpu": self.cp_on_cpu,
+            **({"call": ("DTensorPolicyWorker.get_logprobs's (get_logprobs_from_vocab_parallel_logits with chunk_size; "
+                         "with grad here: inference_only=False)" if self.dtensor_call == "get_logprobs" else
+                         "DTensorPolicyWorker.train's (prepare_loss_input -> get_next_token_logprobs_from_logits)")}
+               if self.variant == "dtensor" else {}),
             "data_path": layout_description(self.data_path, self.layout_option, "no packing"),
             "framework_files": list(self.framework_files),
             **({"packed_seq_params": f"megatron-core's PackedSeqParams with {', '.join(self.data_path.newer_fields)} "
@@ -403,7 +440,11 @@ class NemoRLTarget(CheckoutTarget):
             thd = f"SequencePackingLossWrapper -> prepare_loss_input -> get_next_token_logprobs_from_logits -> {LOGPROBS}"
         out = {"thd, zigzag": thd, "bshd": LOGPROBS}
         if self.variant == "dtensor":
-            out = {"bshd": f"{NEXT_TOKEN} on DTensor logits (Shard(-1), a ('tp',) mesh) -> {DTENSOR} -> "
+            out = {"zigzag (cp > 1)": f"torch's context_parallel on [B, S] -> {NEXT_TOKEN} on DTensor logits "
+                                      "([Shard(1), Shard(-1)] on a ('cp','tp') mesh), input_ids a DTensor on the cp "
+                                      f"mesh, seq_index -> {DTENSOR} -> dtensor_from_parallel_logits_to_logprobs "
+                                      "(CP gather: full_tensor)",
+                   "bshd": f"{NEXT_TOKEN} on DTensor logits (Shard(-1), a ('tp',) mesh) -> {DTENSOR} -> "
                            "dtensor_from_parallel_logits_to_logprobs"}
         if self.variant == "sampling":
             out["sampling"] = "sampling_params=TrainingSamplingParams(top_k, top_p, temperature)"
@@ -489,7 +530,11 @@ class NemoRLTarget(CheckoutTarget):
             log_probs = self._through_wrapper(mod, logits, inputs, chunk)
         elif self.variant == "dtensor":
             filtered = self.capabilities.sampling and scenario_sampling(inputs) is not None
-            log_probs = self._dtensor(mod, logits, inputs, chunk, self._sampling_params(inputs) if filtered else None)
+            sampling = self._sampling_params(inputs) if filtered else None
+            if inputs.cp_size > 1:  # the worker's CP: torch's context_parallel rows, seq_index, a ("cp","tp") mesh
+                log_probs = cp_logprobs(mod, self.data_path, logits, inputs, chunk, sampling, self.dtensor_call)
+            else:
+                log_probs = self._dtensor(mod, logits, inputs, chunk, sampling)
         elif inputs.layout == "bshd":
             log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
         elif self.variant == "per_sequence":
@@ -545,9 +590,13 @@ class NemoRLTarget(CheckoutTarget):
         from shardcheck.targets.torch_parallel import vocab_sharded
 
         width = logits.shape[1]
-        out = getattr(mod, NEXT_TOKEN)(_right_padded(inputs, width, logits.device),
-                                       vocab_sharded(logits, inputs.tp_group, "tp"), sampling_params=sampling,
-                                       chunk_size=chunk)
+        sharded = vocab_sharded(logits, inputs.tp_group, "tp")
+        if self.dtensor_call == "get_logprobs":  # DTensorPolicyWorker.get_logprobs's call (cp 1)
+            out = getattr(mod, DTENSOR)(sharded, _right_padded(inputs, width, logits.device), chunk_size=chunk,
+                                        sampling_params=sampling)
+        else:
+            out = getattr(mod, NEXT_TOKEN)(_right_padded(inputs, width, logits.device), sharded,
+                                           sampling_params=sampling, chunk_size=chunk)
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
     def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,

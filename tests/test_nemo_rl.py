@@ -224,6 +224,11 @@ def test_variants_and_options_are_listed_and_checked(tmp_path, no_cuda):
     described = nemo_rl.target("pre_rolled", TargetConfig(src)).describe()
     assert "negative entropy" in described["entropy"] and described["name"] == "nemo_rl:pre_rolled"
     assert described["version"].startswith("checkout ") and "logprobs_params" not in described["era"]
+    # nemo_rl:dtensor's option call (its worker's train or get_logprobs call) is its own
+    with pytest.raises(BadInput, match="option call is nemo_rl:dtensor's"):
+        nemo_rl.target("sampling", TargetConfig(src, (("call", "get_logprobs"),)))
+    with pytest.raises(BadInput, match="option call='eval': expected train or get_logprobs"):
+        nemo_rl.target(None, TargetConfig(src, (("call", "eval"),)))
 
 
 def test_the_data_path_and_the_fused_loss_follow_the_checkout(tmp_path, no_cuda):
@@ -282,15 +287,16 @@ def test_each_calling_convention_passes(tmp_path):
 def test_the_dtensor_workers_path_passes_on_dtensor_logits(tmp_path):
     """nemo_rl:dtensor: get_next_token_logprobs_from_logits's DTensor branch (logits a DTensor
     sharded over the vocabulary on a ('tp',) mesh of the rank's TP group), which no target reached
-    before issue 39; its packed layouts and CP are skipped, saying why."""
+    before issue 39; its packed layout (thd) is skipped, saying why; zigzag at cp > 1 is its CP
+    path (test_the_dtensor_cp_path_passes_where_torch_shards_evenly)."""
     names = [f"{n}-logprob" for n in ("bshd-tp2cp1-basic", "bshd-tp4cp1-edges", "bshd-tp1cp1-basic",
                                        "thd-tp2cp1-basic", "zigzag-tp2cp2-basic")]
     proc, verdicts, doc = _run(tmp_path, "nemo_rl:dtensor", "--suite", "logprob", "--coverage",
                                *[a for n in names for a in ("--scenario", n)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert [verdicts[n]["verdict"] for n in names[:3]] == ["pass"] * 3
-    assert "[batch, sequence] batches (bshd)" in verdicts["thd-tp2cp1-basic-logprob"]["reason"]
-    assert verdicts["zigzag-tp2cp2-basic-logprob"]["verdict"] == "skip"
+    assert "[batch, sequence] batches (bshd" in verdicts["thd-tp2cp1-basic-logprob"]["reason"]
+    assert verdicts["zigzag-tp2cp2-basic-logprob"]["verdict"] == "pass"
     ran = {f.rpartition(":")[2] for f in doc["coverage"]["files"]["nemo_rl/distributed/model_utils.py"]["functions"]}
     assert {"get_next_token_logprobs_from_logits", "get_logprobs_from_vocab_parallel_logits",
             "dtensor_from_parallel_logits_to_logprobs"} <= ran, ran
@@ -310,6 +316,50 @@ def test_the_dtensor_workers_path_passes_on_dtensor_logits(tmp_path):
     proc, verdicts, _ = _run(tmp_path, "nemo_rl:dtensor", "--suite", "smoke", "--scenario", "bshd-tp2cp1-basic",
                              "--allow-all-skipped")
     assert "computes no entropy" in verdicts["bshd-tp2cp1-basic"]["reason"], verdicts
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_the_dtensor_cp_path_passes_where_torch_shards_evenly(tmp_path):
+    """nemo_rl:dtensor at cp > 1: the padded [B, S] batch sharded by torch's context_parallel as
+    NeMo-RL's DTensor worker calls it (the rows learned by the position trace), seq_index, input_ids
+    a DTensor on the cp mesh, logits [Shard(1), Shard(-1)] on a ('cp', 'tp') mesh, NeMo-RL's own CP
+    gather and backward. One world: the smoke zigzag cells at cp 2 (tp 1, 2) and cp 4 pass, top-k /
+    top-p at cp 2 tp 2 passes (DistributedLogprobWithSampling), S % 2cp != 0 (torch's silent
+    contiguous shards) passes; S % cp != 0, reachable with NeMo-RL's base config
+    (make_sequence_length_divisible_by = tp with dtensor_cfg.context_parallel_size > 1), sends
+    uneven all-gathers: a collective_mismatch."""
+    import dataclasses
+
+    from conftest import write_scenarios
+    from shardcheck.scenarios import get_suite
+
+    smoke = {sc.name: sc for sc in get_suite("smoke")}
+    logprob = {sc.name: sc for sc in get_suite("logprob")}
+    [sampling] = [sc for sc in get_suite("sampling") if sc.name == "sampling-zigzag-tp2cp2"]
+    cells = ["zigzag-tp1cp2-many", "zigzag-tp2cp2-many", "zigzag-tp1cp4-many"]
+    scenarios = [smoke[n] for n in cells] + [
+        dataclasses.replace(sampling, with_entropy=False, entropy_coef=0.0),
+        dataclasses.replace(logprob["zigzag-tp2cp2-edges-logprob"], name="dtensor-contiguous-tp2cp2",
+                            layout_knobs=(("make_sequence_length_divisible_by", 2),)),  # S = 18: contiguous
+        dataclasses.replace(logprob["zigzag-tp1cp2-basic-logprob"], name="dtensor-uneven-cp2",
+                            layout_knobs=(("make_sequence_length_divisible_by", 1),)),  # S = 23 at cp 2
+    ]
+    f = write_scenarios(tmp_path / "dtensor_cp.json", scenarios)
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:dtensor", "--scenario-file", str(f), "--coverage",
+                               "--timeout", "120")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    passed = [*cells, "sampling-zigzag-tp2cp2", "dtensor-contiguous-tp2cp2"]
+    assert {n: verdicts[n]["verdict"] for n in passed} == dict.fromkeys(passed, "pass"), proc.stdout[-3000:]
+    assert "create_context_parallel_ctx" in doc["target"]["data_path"]
+    uneven = verdicts["dtensor-uneven-cp2"]
+    assert uneven["verdict"] == "fail", uneven
+    assert {f["kind"] for f in uneven["failures"]} == {"collective_mismatch"}, uneven["failures"]
+    assert "all_gather" in uneven["failures"][0]["message"], uneven["failures"][0]
+    ran = {f.rpartition(":")[2] for f in doc["coverage"]["files"]["nemo_rl/distributed/model_utils.py"]["functions"]}
+    assert {"get_next_token_logprobs_from_logits", "get_logprobs_from_vocab_parallel_logits",
+            "dtensor_from_parallel_logits_to_logprobs", "DistributedLogprob.backward",
+            "DistributedLogprobWithSampling.backward"} <= ran, ran
 
 
 @needs_nemo_rl
