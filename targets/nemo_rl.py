@@ -73,11 +73,9 @@ from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
                                      layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
-from shardcheck.targets.nemo_rl_dtensor import CALLS as DTENSOR_CALLS
-from shardcheck.targets.nemo_rl_dtensor import NemoRLDTensorDataPath, cp_logprobs
-from shardcheck.targets.nemo_rl_dtensor import sampling_reason as dtensor_sampling_reason
-from shardcheck.targets.nemo_rl_data import (DATA_FILE, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath, NemoRLLossPath,
-                                             has_fused_loss, has_packing, has_unfused_loss)
+from shardcheck.targets.nemo_rl_data import (DATA_FILE, DTENSOR_CALLS, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath,
+                                             NemoRLDTensorDataPath, NemoRLLossPath, dtensor_cp_logprobs,
+                                             dtensor_sampling_reason, has_fused_loss, has_packing, has_unfused_loss)
 from shardcheck.targets.source import Framework, parameters
 
 MODEL_UTILS = Path("nemo_rl/distributed/model_utils.py")
@@ -532,7 +530,8 @@ class NemoRLTarget(CheckoutTarget):
             filtered = self.capabilities.sampling and scenario_sampling(inputs) is not None
             sampling = self._sampling_params(inputs) if filtered else None
             if inputs.cp_size > 1:  # the worker's CP: torch's context_parallel rows, seq_index, a ("cp","tp") mesh
-                log_probs = cp_logprobs(mod, self.data_path, logits, inputs, chunk, sampling, self.dtensor_call)
+                log_probs = dtensor_cp_logprobs(mod, self.data_path, logits, inputs, chunk, sampling,
+                                                self.dtensor_call)
             else:
                 log_probs = self._dtensor(mod, logits, inputs, chunk, sampling)
         elif inputs.layout == "bshd":
