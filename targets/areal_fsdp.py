@@ -55,11 +55,26 @@ as a global ``src``: it fails for an sp group other than global ranks 0..sp-1 (t
 groups {0, 2} and {1, 3}); such scenarios are skipped on gloo with that reason (a torch
 limitation, not AReaL's). nccl runs them.
 
+Before 0369627d4 (the inline era, from 1388338c7's Ulysses SP; ``areal/utils/ulysses.py``) the
+engine had none of these methods: ``FSDPEngine.forward`` packed, sliced, called the model, gathered
+the logits over the sp group and ran its ``post_hook`` inline. There ``--target-opt path=forward``
+is required and runs ``PPOActor.compute_logp(batch, temperature)`` (``areal/engine/ppo/actor.py``)
+-> ``FSDPEngine.forward`` (``@torch.no_grad()`` dropped: its gradient is checked too), each
+compiled alone from its file, with ``gather_logprobs`` (``areal/utils/functional.py``) and the data
+helpers ``forward`` calls (``pack_tensor_dict``, ``unpack_sequence``, ``reorder_list``,
+``pad_and_stack_tensors_along_first_dim``, ``areal/utils/data.py``) compiled alone, the checkout's
+ulysses functions, and AReaL's ``FSDPUlyssesShardingManager`` on a mesh stand-in whose ``["sp"]``
+group is the rank's sp group. Stand-ins: the model (the harness's logits), ``prepare_mb_list``
+(one micro-batch as ``pack_tensor_dict`` / ``unsqueeze_mb_list`` leave it, ``padding_lengths``
+[0]) and tensordict's ``TensorDict`` (not installed here: a dict with ``to(device)``). tp 1 only
+(no vocab-parallel code then). This era shows 08e703258's fix: at its parent the last sp rank
+trimmed its Ulysses pad from its logits before the all-gather (unequal sizes).
+
 Not reached: the model's forward (the Ulysses attention's all-to-all, ``ulyssess_patch.py``),
 ``_prepare_mb_list`` (AReaL's packing and its page pad), VLMs (``ulysses_pad`` alone), tree
 training, the critic's values, the loss functions and their scaling (``areal:loss`` checks the
-PPO loss on the Megatron engine), commits before 0369627d4 (the engine's train_batch / forward
-were one method with the model call, the micro-batch exchange and the optimizer inline).
+PPO loss on the Megatron engine), the inline era's train_batch / eval_batch (the model call, the
+loss and the optimizer inline; only its forward is driven).
 """
 
 from __future__ import annotations
@@ -109,10 +124,76 @@ LAYOUT_WHY = (("zigzag", CP_WHY), ("allgather", CP_WHY),
 
 @dataclasses.dataclass(frozen=True)
 class ArealFSDPEra:
-    """What the checkout offers: the engine's methods compiled and where its ulysses.py is."""
+    """What the checkout offers: ``kind`` "methods" (0369627d4 on: the engine's methods between the
+    micro-batch and the loss) or "inline" (before: ``FSDPEngine.forward`` with the model call and
+    the Ulysses gather inline, driven through ``PPOActor.compute_logp``); the definitions compiled
+    and where its ulysses.py is."""
 
+    kind: str
     methods: tuple[str, ...]
     ulysses_file: str
+
+
+# the inline era (1388338c7's Ulysses SP until 0369627d4): FSDPEngine.forward, its post_hook
+# PPOActor.compute_logp's calc_logprobs, gather_logprobs from areal/utils/functional.py, the data
+# helpers forward calls from areal/utils/data.py
+ACTOR_FILE = Path("areal/engine/ppo/actor.py")
+OLD_FUNCTIONAL_FILE = Path("areal/utils/functional.py")
+DATA_FILE = Path("areal/utils/data.py")
+DATA_HELPERS = ("pack_tensor_dict", "unpack_sequence", "reorder_list", "pad_and_stack_tensors_along_first_dim")
+INLINE_WHY = ("before 0369627d4 AReaL's FSDP engine computes log-probs inline in FSDPEngine.forward (compute_logp's "
+              "path); areal:fsdp drives that path there: --target-opt path=forward")
+
+
+class TensorDict(dict):
+    """tensordict's TensorDict as the inline era's forward and pack_tensor_dict use it (tensordict
+    is not installed here): a dict of tensors with ``to(device)``; ``batch_size`` kept. At module
+    level: the micro-batch list travels through ``dist.all_gather_object`` (pickled)."""
+
+    def __init__(self, source: Any = None, batch_size: Any = None, **items: Any) -> None:
+        super().__init__(source or {}, **items)
+        self.batch_size = batch_size
+
+    def to(self, device: Any) -> "TensorDict":
+        return TensorDict({k: v.to(device) if hasattr(v, "to") else v for k, v in self.items()},
+                          batch_size=self.batch_size)
+
+
+@dataclasses.dataclass
+class MicroBatchList:
+    """What the inline era's ``prepare_mb_list`` hands ``forward`` (the fields it reads): one
+    micro-batch, packed, ``padding_lengths`` [0]."""
+
+    mbs: list
+    padded_mbs: list
+    padding_lengths: list
+    forward_indices: list
+    backward_indices: list
+
+    def to(self, device: Any) -> "MicroBatchList":
+        moved = lambda m: {k: v.to(device) if hasattr(v, "to") else v for k, v in m.items()}  # noqa: E731
+        return dataclasses.replace(self, mbs=[moved(m) for m in self.mbs], padded_mbs=[moved(m) for m in self.padded_mbs])
+
+
+class _Mesh:
+    """The Ulysses device mesh as FSDPUlyssesShardingManager reads it: ``mesh["sp"].get_group()``."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def __getitem__(self, name: str) -> Any:
+        return types.SimpleNamespace(get_group=lambda: self._group)
+
+
+def inline_tree(src: Path) -> ast.FunctionDef | None:
+    """The inline era's ``FSDPEngine.forward`` (with ``post_hook`` and the Ulysses gather in it),
+    None where the checkout has none."""
+    tree = FRAMEWORK.parse(src, ENGINE_FILE)
+    cls = next((n for n in getattr(tree, "body", []) if isinstance(n, ast.ClassDef) and n.name == CLASS), None)
+    fn = next((f for f in getattr(cls, "body", []) if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
+    if fn is None or "post_hook" not in parameters(fn) or "ulysses_pad_and_slice_inputs" not in ast.unparse(fn):
+        return None
+    return fn
 
 
 def engine_tree(src: Path) -> tuple[ast.Module, dict[str, ast.AST]] | None:
@@ -135,11 +216,16 @@ def engine_tree(src: Path) -> tuple[ast.Module, dict[str, ast.AST]] | None:
     return tree, found
 
 
+# AReaL, its checkout recognised by the FSDP engine's file (the areal target's marker, the Megatron
+# engine, came later than the FSDP engine's Ulysses SP)
+FSDP_FRAMEWORK = dataclasses.replace(FRAMEWORK, marker=str(ENGINE_FILE))
+
+
 class ArealFSDPTarget(CheckoutTarget):
     """AReaL's FSDP engine (FSDPEngine's methods between the micro-batch and the loss, compiled alone
     from its file): log-probs and entropy of the rank's Ulysses slice, gathered over the sp group"""
 
-    framework = FRAMEWORK
+    framework = FSDP_FRAMEWORK
     name = "areal:fsdp"
     # entropy: -sum p log p (_gather_logprobs_entropy / _VocabParallelLogProbsEntropy), the positive sign
     definitions = Definitions()
@@ -150,27 +236,42 @@ class ArealFSDPTarget(CheckoutTarget):
             raise BadInput(f"target 'areal:fsdp': option path={self.path!r}: expected train or forward")
         super().__init__(config.src)
         found = engine_tree(self.src)
-        if found is None:
+        inline = inline_tree(self.src) if found is None else None
+        if found is None and inline is None:
             raise BadInput(f"AReaL at {self.short()} has no FSDP engine this target drives: {ENGINE_FILE} with "
-                           f"{CLASS}.{', '.join(METHODS)} and {CONTEXT} (they came with 0369627d4 and 79b742c12)")
-        self._tree, self._defs = found
+                           f"{CLASS}.{', '.join(METHODS)} and {CONTEXT} (they came with 0369627d4 and 79b742c12), "
+                           f"or (before) {CLASS}.forward with the Ulysses gather inline")
         ulysses = next((f for f in ULYSSES_FILES if (self.src / f).is_file()), None)
-        fn = functions_named(FRAMEWORK.parse(self.src, VOCAB_PARALLEL_FILE), "gather_logprobs_entropy")
-        if ulysses is None or not fn or "tp_group" not in parameters(fn[0]):
-            raise BadInput(f"AReaL at {self.short()} has no {' or '.join(map(str, ULYSSES_FILES))}, or no "
-                           f"{VOCAB_PARALLEL_FILE} with gather_logprobs_entropy(tp_group)")
-        self.era = ArealFSDPEra(tuple(f"{CLASS}.{m}" for m in METHODS), str(ulysses))
+        if ulysses is None:
+            raise BadInput(f"AReaL at {self.short()} has no {' or '.join(map(str, ULYSSES_FILES))}")
         self.ulysses_module = str(ulysses.with_suffix("")).replace("/", ".")
-        self.framework_files = (str(ENGINE_FILE), str(ulysses), str(VOCAB_PARALLEL_FILE))
+        if inline is not None:
+            if self.path != "forward":
+                raise BadInput(f"AReaL at {self.short()}: {INLINE_WHY}")
+            self._forward_def = inline
+            self.era = ArealFSDPEra("inline", (f"{CLASS}.forward", "PPOActor.compute_logp"), str(ulysses))
+            self.framework_files = (str(ENGINE_FILE), str(ulysses), str(OLD_FUNCTIONAL_FILE), str(ACTOR_FILE),
+                                    str(DATA_FILE))
+        else:
+            self._tree, self._defs = found
+            fn = functions_named(FRAMEWORK.parse(self.src, VOCAB_PARALLEL_FILE), "gather_logprobs_entropy")
+            if not fn or "tp_group" not in parameters(fn[0]):
+                raise BadInput(f"AReaL at {self.short()} has no {VOCAB_PARALLEL_FILE} with "
+                               "gather_logprobs_entropy(tp_group)")
+            self.era = ArealFSDPEra("methods", tuple(f"{CLASS}.{m}" for m in METHODS), str(ulysses))
+            self.framework_files = (str(ENGINE_FILE), str(ulysses), str(VOCAB_PARALLEL_FILE))
         forward = self.path == "forward"
         self.capabilities = Capabilities(
             layouts=frozenset({"thd", "ulysses"}), entropy=not forward,
+            tp_sizes=frozenset({1}) if inline is not None else None,
             cp_sizes=frozenset({1}), layout_reasons=LAYOUT_WHY, rule=self._rule,
             reasons=(("cp", CP_WHY),
-                     ("entropy", "forward_batch computes log-probs only (_compute_forward_result: _compute_logprobs)"),
+                     ("tp", "before 0369627d4 AReaL's gather_logprobs has no vocab-parallel path (FSDP without TP)"),
+                     ("entropy", "the forward path (compute_logp) computes log-probs only"),
                      ("replay_keep", "AReaL normalises over the whole vocabulary: it replays no keep sets"),
                      ("sampling", "AReaL applies no top-k / top-p filter to the training logits")))
         self._engine_cls: Any = None
+        self._actor_cls: Any = None
         self._ulysses: Any = None
         self.read_names: list[str] = []
 
@@ -287,6 +388,20 @@ class ArealFSDPTarget(CheckoutTarget):
 
     # -- the report -----------------------------------------------------------------------------
     def description(self) -> dict[str, Any]:
+        if self.era.kind == "inline":
+            return {"path": self.path,
+                    "calls": f"{ACTOR_FILE}: PPOActor.compute_logp(batch, temperature) -> {ENGINE_FILE}: "
+                             f"{CLASS}.forward (post_hook calc_logprobs: gather_logprobs on the logits gathered over "
+                             "the sp group), each compiled alone from its file; @torch.no_grad() dropped (the "
+                             "gradient is checked too)",
+                    "names_bound": self.read_names,
+                    "stand_ins": ["the model (the harness's logits for the rows it is handed)",
+                                  "prepare_mb_list (one micro-batch, packed as pack_tensor_dict packs it, "
+                                  "padding_lengths [0]: AReaL's page pad not applied)",
+                                  "tensordict's TensorDict (a dict with to(device))",
+                                  "the Ulysses device mesh (mesh['sp'].get_group(): the sp group) handed to AReaL's "
+                                  "FSDPUlyssesShardingManager"],
+                    "framework_files": list(self.framework_files)}
         calls = {"train": "_prepare_mb_inputs, the harness's logits as the model's (squeeze(0)), "
                           "_compute_logprobs_and_loss (loss_multiplier = dp size 1) -> _compute_logprobs_entropy "
                           "(gather_logprobs_entropy, _sp_all_gather, [:-ulysses_pad_size]), "
@@ -310,6 +425,8 @@ class ArealFSDPTarget(CheckoutTarget):
 
     # -- the computation -------------------------------------------------------------------------
     def compute(self, inputs: RankInputs) -> RankOutputs:
+        if self.era.kind == "inline":
+            return self._compute_inline(inputs)
         import torch
         import torch.distributed as dist
 
@@ -364,6 +481,135 @@ class ArealFSDPTarget(CheckoutTarget):
             kept = entropy if inputs.entropy_coef else entropy.detach()
             ent = [kept[p] for p in picks]
         return RankOutputs([logprobs[p] for p in picks], ent)
+
+    # -- the inline era ------------------------------------------------------------------------
+    def _load_inline(self) -> Any:
+        """PPOActor.compute_logp and FSDPEngine.forward, each compiled alone from its file, with
+        what they read: gather_logprobs (functional.py), the data helpers (data.py), the Ulysses
+        functions (the checkout's ulysses.py) and the sharding manager (its own module)."""
+        if self._engine_cls is not None:
+            return self._engine_cls
+        import functools
+
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.nn.functional as dist_F
+        import torch.nn.functional as F
+
+        def closure(rel: Path, roots: tuple[str, ...], given: dict[str, Any]) -> dict[str, Any]:
+            tree = FRAMEWORK.parse(self.src, rel)
+            try:
+                return compile_alone(self.src / rel, _closure(tree, roots), given)
+            except LookupError as exc:
+                raise BadInput(f"AReaL at {self.short()}: {exc}") from None
+
+        functional = closure(OLD_FUNCTIONAL_FILE, ("gather_logprobs",),
+                             {"torch": torch, "dist": dist, "np": np, "functools": functools})
+        data = closure(DATA_FILE, DATA_HELPERS, {"torch": torch, "dist": dist, "F": F, "np": np,
+                                                 "TensorDict": TensorDict})
+        ulysses = self.import_module(self.ulysses_module)
+        self._ulysses = ulysses
+        given = {"torch": torch, "dist": dist, "dist_F": dist_F, **{n: data[n] for n in DATA_HELPERS},
+                 **{n: getattr(ulysses, n) for n in dir(ulysses) if n.startswith(("get_ulysses", "ulysses_pad"))}}
+        path = self.src / ENGINE_FILE
+        fn = self._forward_def
+        fn.decorator_list = []  # @torch.no_grad(): the gradient is checked too
+        cls = ast.ClassDef(name=CLASS, bases=[], keywords=[], body=[fn], decorator_list=[], type_params=[])
+        engine = self._compile(path, cls, given)
+        actor_tree = FRAMEWORK.parse(self.src, ACTOR_FILE)
+        actor = next((n for n in getattr(actor_tree, "body", []) if isinstance(n, ast.ClassDef)
+                      and n.name == "PPOActor"), None)
+        logp = next((f for f in getattr(actor, "body", []) if isinstance(f, ast.FunctionDef)
+                     and f.name == "compute_logp"), None)
+        if logp is None:
+            raise BadInput(f"AReaL at {self.short()} has no PPOActor.compute_logp in {ACTOR_FILE}")
+        logp.decorator_list = []
+        actor_cls = ast.ClassDef(name="PPOActor", bases=[], keywords=[], body=[logp], decorator_list=[],
+                                 type_params=[])
+        self._actor_cls = self._compile(self.src / ACTOR_FILE, actor_cls,
+                                        {"torch": torch, "gather_logprobs": functional["gather_logprobs"]})
+        self.read_names = sorted(given)
+        self._engine_cls = engine
+        return engine
+
+    def _compile(self, path: Path, cls: ast.ClassDef, given: dict[str, Any]) -> Any:
+        """``cls`` compiled from ``path`` (line numbers kept) into a namespace holding ``given``;
+        BadInput naming a name it reads that is not given."""
+        import __future__
+        import builtins
+        import symtable
+
+        module = ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[]))
+        table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(path), "exec")
+        reads: set[str] = set()
+        for child in table.get_children():
+            reads |= names_read(child)
+        missing = sorted(reads - set(dir(builtins)) - set(given) - {cls.name})
+        if missing:
+            raise BadInput(f"AReaL at {self.short()}: {cls.name} in {path.name} reads {', '.join(missing)}, which the "
+                           "adapter does not give")
+        namespace: dict[str, Any] = {"__name__": f"shardcheck_areal_{path.stem}", "__file__": str(path), **given}
+        code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        exec(code, namespace)  # noqa: S102 - AReaL's own code, from its file
+        return namespace[cls.name]
+
+    def _compute_inline(self, inputs: RankInputs) -> RankOutputs:
+        """``PPOActor.compute_logp(batch, temperature)`` -> ``FSDPEngine.forward(post_hook=calc_logprobs)``
+        on a padded batch of the scenario's samples; the model the harness's logits."""
+        import torch
+
+        engine_cls = self._load_inline()
+        ulysses = self._ulysses
+        logits, device = inputs.logits, inputs.logits.device
+        lengths, responses = list(inputs.total_lengths), list(inputs.response_lengths)
+        width = max(lengths)
+        ids = torch.zeros(len(lengths), width, dtype=torch.int64, device=device)
+        mask = torch.zeros(len(lengths), width, dtype=torch.bool, device=device)
+        for i, (t, n) in enumerate(zip(inputs.tokens, lengths)):
+            ids[i, :n], mask[i, :n] = t[:n].to(device), True
+        batch = TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(lengths)])
+        engine = object.__new__(engine_cls)
+        engine.device = device
+        engine.ulysses_sp_size = inputs.sp_size
+        engine.is_vision_model = False
+        group = inputs.sp_group if inputs.sp_size > 1 else None
+        manager = self.import_module("areal.models.sharding.fsdp_ulysses").FSDPUlyssesShardingManager
+        engine.ulysses_sharding_manager = manager(_Mesh(group) if group is not None else None)
+        seen: list[Any] = []
+
+        def prepare_mb_list(input_: Any) -> MicroBatchList:
+            # base_hf_engine.prepare_mb_list's result for one micro-batch: amend_position_ids, pack_tensor_dict
+            # (mbs: packed [T]), no page pad (padding_lengths [0]), padded_mbs unsqueezed to [1, T]
+            # (unsqueeze_mb_list), each a plain dict (dict(**mb))
+            got = input_["attention_mask"].sum(1).tolist()
+            packed = {"input_ids": torch.cat([input_["input_ids"][i, :n] for i, n in enumerate(got)]),
+                      "position_ids": torch.cat([torch.arange(n, device=device) for n in got]),
+                      "cu_seqlens": torch.tensor([0] + torch.tensor(got).cumsum(0).tolist(), dtype=torch.int32,
+                                                 device=device),
+                      "max_seqlen": max(got)}
+            padded = {k: v.unsqueeze(0) if k in ("input_ids", "position_ids") else v for k, v in packed.items()}
+            # forward_indices / backward_indices: the samples' order in the micro-batches and back (unchanged)
+            return MicroBatchList(mbs=[packed], padded_mbs=[padded], padding_lengths=[0],
+                                  forward_indices=list(range(len(got))), backward_indices=list(range(len(got))))
+
+        def model(**kwargs: Any) -> Any:
+            seen.append(kwargs["input_ids"])
+            self._check_rows(inputs, kwargs["input_ids"])
+            return types.SimpleNamespace(logits=logits)
+
+        engine.prepare_mb_list = prepare_mb_list
+        engine.model = model
+        engine.eval = lambda: None
+        actor = object.__new__(self._actor_cls)
+        actor.engine = engine
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        try:
+            out = actor.compute_logp(batch, temperature=inputs.temperature)
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
+        return RankOutputs([out[i, (n - r - 1) + torch.arange(r, device=out.device)]
+                            for i, (n, r) in enumerate(zip(lengths, responses))])
 
     def _check_rows(self, inputs: RankInputs, ids: Any) -> None:
         """AReaL's slice of the packed ids (what its model would see on this rank) must be the

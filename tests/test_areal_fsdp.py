@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_on_world
+from conftest import export_commit, run_on_world
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.scenarios.suites import get_suite
@@ -32,14 +32,16 @@ def test_the_variant_is_listed_and_needs_a_checkout_with_the_fsdp_engine(tmp_pat
     monkeypatch.delenv(ENV, raising=False)
     with pytest.raises(BadInput, match=ENV):
         target("fsdp")
-    # an AReaL checkout (its marker file) without the FSDP engine's methods: refused in one line
-    marker = tmp_path / "areal/engine/megatron_engine.py"
-    marker.parent.mkdir(parents=True)
-    marker.write_text("")
+    # a folder without the FSDP engine's file is not a checkout this target reads
+    with pytest.raises(BadInput, match=f"no {ENGINE_FILE}"):
+        target("fsdp", TargetConfig(str(tmp_path)))
+    # an FSDP engine file without the methods (nor the inline era's forward): refused in one line
+    engine = tmp_path / ENGINE_FILE
+    engine.parent.mkdir(parents=True)
+    engine.write_text("class FSDPEngine:\n    pass\n")
     with pytest.raises(BadInput, match="no FSDP engine") as exc:
         target("fsdp", TargetConfig(str(tmp_path)))
     assert str(ENGINE_FILE) in str(exc.value) and "\n" not in str(exc.value)
-    engine = tmp_path / ENGINE_FILE
     engine.write_text(f"class {CONTEXT}:\n    pass\n\nclass {CLASS}:\n"
                       + "".join(f"    def {m}(self):\n        return undefined_name\n\n" for m in METHODS))
     with pytest.raises(BadInput, match="option cp_all_gather is not areal:fsdp's"):
@@ -125,3 +127,53 @@ def test_the_forward_path_matches_the_reference(world2, tmp_path, monkeypatch):
 def test_the_registered_name_builds_it():
     built = resolve("areal:fsdp", TargetConfig(None))
     assert built.name == "areal:fsdp" and {"thd", "ulysses"} == set(built.capabilities.layouts)
+
+
+REPO_ENV = "SHARDCHECK_AREAL_REPO"
+# "[Bug Fix] Fix bugs in FSDP ulysses sequence parallel and megatron engine. (#292)" (PR 803, "fix the
+# all-gather bug with ulysses"): in FSDPEngine.forward (and train_batch, eval_batch) the last sp rank trimmed
+# its Ulysses pad from its local logits before dist_F.all_gather, so the ranks gathered unequal sizes (NCCL
+# hangs or errors, gloo aborts); the fix trims the gathered logits. Packed length 7 at sp 2 (pad 1): rank 0
+# gathers [4, V], rank 1 [3, V]. The engine is the inline era's (PPOActor.compute_logp -> FSDPEngine.forward).
+FIX, FIX_PARENT = "08e703258", "1214477438471e0d18e0d2779facb2e254327ee3"
+ODD = {"name": "ulysses-sp2-odd", "samples": [[5, 3], [2, 1]], "vocab": 16, "sp": 2, "layout": "ulysses",
+       "with_entropy": False, "entropy_coef": 0.0, "temperature": 0.7, "seed": 701}
+EVEN = dict(ODD, name="ulysses-sp2-even", samples=[[5, 3], [3, 1]])
+
+
+def _repo_with(commit: str) -> str | None:
+    import subprocess
+
+    for repo in (os.environ.get(REPO_ENV), AREAL_SRC):
+        if repo and subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"],
+                                   capture_output=True).returncode == 0:
+            return repo
+    return None
+
+
+@pytest.mark.world
+def test_the_ulysses_all_gather_fix_fails_at_its_parent_and_passes_at_the_fix(world2, tmp_path, monkeypatch):
+    """08e703258: at its parent the all-gather of unequal sizes (a collective mismatch, the shapes
+    named) where the packed length is not a multiple of sp, a pass where it is; at the fix both pass."""
+    import json
+
+    from shardcheck.targets.base import OPTS_ENV, SRC_ENV
+
+    repo = _repo_with(FIX)
+    if repo is None:
+        pytest.skip(f"neither {REPO_ENV} nor {ENV} is an AReaL git repository holding {FIX} (a clone of "
+                    "inclusionAI/AReaL with its history)")
+    monkeypatch.setenv(OPTS_ENV, json.dumps([["path", "forward"]]))
+    scenarios = [Scenario.from_dict(ODD), Scenario.from_dict(EVEN)]
+    said = {}
+    for name, rev in (("parent", FIX_PARENT), ("fix", FIX)):
+        monkeypatch.setenv(SRC_ENV, export_commit(repo, rev, tmp_path / name, "areal"))
+        said[name] = run_on_world(world2, scenarios, SPEC, tmp_path / f"{name}.json", "fixes")
+    parent = {v["name"]: v for v in said["parent"].report["scenarios"]}
+    assert parent["ulysses-sp2-odd"]["verdict"] == "fail", said["parent"].stdout[-3000:]
+    assert {f["kind"] for f in parent["ulysses-sp2-odd"]["failures"]} == {"collective_mismatch"}
+    assert "all_gather(float32[4x16])" in said["parent"].stdout and "all_gather(float32[3x16])" in said[
+        "parent"].stdout, said["parent"].stdout[-3000:]
+    assert parent["ulysses-sp2-even"]["verdict"] == "pass", said["parent"].stdout[-3000:]
+    assert said["parent"].report["target"]["era"]["kind"] == "inline"
+    assert said["fix"].exit_code == 0, said["fix"].stdout[-3000:]
