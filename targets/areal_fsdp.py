@@ -484,39 +484,18 @@ class ArealFSDPTarget(CheckoutTarget):
 
     # -- the inline era ------------------------------------------------------------------------
     def _load_inline(self) -> Any:
-        """PPOActor.compute_logp and FSDPEngine.forward, each compiled alone from its file, with
-        what they read: gather_logprobs (functional.py), the data helpers (data.py), the Ulysses
-        functions (the checkout's ulysses.py) and the sharding manager (its own module)."""
+        """PPOActor.compute_logp and FSDPEngine.forward, each compiled alone from its file; every name
+        they (and gather_logprobs, compiled alone from areal/utils/functional.py) read bound as their
+        file's imports bind it (:meth:`_bind`)."""
         if self._engine_cls is not None:
             return self._engine_cls
-        import functools
-
-        import numpy as np
-        import torch
-        import torch.distributed as dist
-        import torch.distributed.nn.functional as dist_F
-        import torch.nn.functional as F
-
-        def closure(rel: Path, roots: tuple[str, ...], given: dict[str, Any]) -> dict[str, Any]:
-            tree = FRAMEWORK.parse(self.src, rel)
-            try:
-                return compile_alone(self.src / rel, _closure(tree, roots), given)
-            except LookupError as exc:
-                raise BadInput(f"AReaL at {self.short()}: {exc}") from None
-
-        functional = closure(OLD_FUNCTIONAL_FILE, ("gather_logprobs",),
-                             {"torch": torch, "dist": dist, "np": np, "functools": functools})
-        data = closure(DATA_FILE, DATA_HELPERS, {"torch": torch, "dist": dist, "F": F, "np": np,
-                                                 "TensorDict": TensorDict})
-        ulysses = self.import_module(self.ulysses_module)
-        self._ulysses = ulysses
-        given = {"torch": torch, "dist": dist, "dist_F": dist_F, **{n: data[n] for n in DATA_HELPERS},
-                 **{n: getattr(ulysses, n) for n in dir(ulysses) if n.startswith(("get_ulysses", "ulysses_pad"))}}
-        path = self.src / ENGINE_FILE
+        self._ulysses = self.import_module(self.ulysses_module)
         fn = self._forward_def
         fn.decorator_list = []  # @torch.no_grad(): the gradient is checked too
         cls = ast.ClassDef(name=CLASS, bases=[], keywords=[], body=[fn], decorator_list=[], type_params=[])
-        engine = self._compile(path, cls, given)
+        engine_tree = FRAMEWORK.parse(self.src, ENGINE_FILE)
+        given = self._bind(engine_tree, "areal.engine", self._reads(ENGINE_FILE, [cls]))
+        engine = self._compile(self.src / ENGINE_FILE, cls, given)
         actor_tree = FRAMEWORK.parse(self.src, ACTOR_FILE)
         actor = next((n for n in getattr(actor_tree, "body", []) if isinstance(n, ast.ClassDef)
                       and n.name == "PPOActor"), None)
@@ -527,11 +506,70 @@ class ArealFSDPTarget(CheckoutTarget):
         logp.decorator_list = []
         actor_cls = ast.ClassDef(name="PPOActor", bases=[], keywords=[], body=[logp], decorator_list=[],
                                  type_params=[])
-        self._actor_cls = self._compile(self.src / ACTOR_FILE, actor_cls,
-                                        {"torch": torch, "gather_logprobs": functional["gather_logprobs"]})
-        self.read_names = sorted(given)
+        actor_given = self._bind(actor_tree, "areal.engine.ppo", self._reads(ACTOR_FILE, [actor_cls]))
+        self._actor_cls = self._compile(self.src / ACTOR_FILE, actor_cls, actor_given)
+        self.read_names = sorted(set(given) | set(actor_given))
         self._engine_cls = engine
         return engine
+
+    def _reads(self, rel: Path, nodes: list[ast.AST]) -> set[str]:
+        """The global names ``nodes`` (definitions of ``rel``) read, decorators included."""
+        import builtins
+        import symtable
+
+        module = ast.fix_missing_locations(ast.Module(body=nodes, type_ignores=[]))
+        table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(self.src / rel),
+                                  "exec")
+        reads: set[str] = set()
+        for child in table.get_children():
+            reads |= names_read(child)
+        reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()}
+        return reads - set(dir(builtins)) - {getattr(n, "name", "") for n in nodes} - {"annotations"}
+
+    def _bind(self, tree: ast.Module, package: str, reads: set[str]) -> dict[str, Any]:
+        """``reads`` bound as ``tree``'s file imports them: the checkout's ulysses module's names from
+        it, ``areal.utils.data``'s and ``areal.utils.functional``'s functions compiled alone from
+        their file (with what they read, bound the same way), a third-party module's from it; any
+        other name refuses the checkout in one line."""
+        import importlib
+
+        imports = _imports(tree, package)
+        given: dict[str, Any] = {}
+        compiled = {"areal.utils.data": DATA_FILE, "areal.utils.functional": OLD_FUNCTIONAL_FILE}
+        for name in sorted(reads):
+            if name not in imports:
+                raise BadInput(f"AReaL at {self.short()}: the inline era's code reads {name}, which its file does not "
+                               "import (the adapter binds only what the file imports)")
+            mod_name, attr = imports[name]
+            if mod_name == self.ulysses_module:
+                given[name] = getattr(self._ulysses, attr) if attr else self._ulysses
+            elif mod_name in compiled and attr is not None:
+                rel = compiled[mod_name]
+                own = FRAMEWORK.parse(self.src, rel)
+                defs = {n.name: n for n in own.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                if attr not in defs:
+                    raise BadInput(f"AReaL at {self.short()}: {rel} defines no {attr}")
+                names = _closure(own, (attr,))
+                inner = self._bind(own, mod_name.rsplit(".", 1)[0], self._reads(rel, [defs[n] for n in names]))
+                if "TensorDict" in inner or any(n == "TensorDict" for n in imports):
+                    inner["TensorDict"] = TensorDict  # tensordict is not installed here: the stand-in
+                try:
+                    given[name] = compile_alone(self.src / rel, names, inner)[attr]
+                except LookupError as exc:
+                    raise BadInput(f"AReaL at {self.short()}: {exc}") from None
+            elif mod_name == "tensordict":
+                given[name] = TensorDict
+            elif not FRAMEWORK.owns(mod_name):
+                mod = importlib.import_module(mod_name)
+                if attr is None:
+                    given[name] = mod
+                else:
+                    given[name] = getattr(mod, attr) if hasattr(mod, attr) else importlib.import_module(
+                        f"{mod_name}.{attr}")
+            else:
+                raise BadInput(f"AReaL at {self.short()}: the inline era's code reads {name} from {mod_name}, which "
+                               "the adapter does not load")
+        return given
 
     def _compile(self, path: Path, cls: ast.ClassDef, given: dict[str, Any]) -> Any:
         """``cls`` compiled from ``path`` (line numbers kept) into a namespace holding ``given``;
@@ -574,8 +612,12 @@ class ArealFSDPTarget(CheckoutTarget):
         engine.ulysses_sp_size = inputs.sp_size
         engine.is_vision_model = False
         group = inputs.sp_group if inputs.sp_size > 1 else None
-        manager = self.import_module("areal.models.sharding.fsdp_ulysses").FSDPUlyssesShardingManager
-        engine.ulysses_sharding_manager = manager(_Mesh(group) if group is not None else None)
+        if "ulysses_sharding_manager" in ast.unparse(self._forward_def):  # AReaL's own, on the mesh stand-in
+            manager = self.import_module("areal.models.sharding.fsdp_ulysses").FSDPUlyssesShardingManager
+            engine.ulysses_sharding_manager = manager(_Mesh(group) if group is not None else None)
+        # the later inline shape (parallel_helper, sp_group; _ensure_ready-like set-up in forward)
+        engine.parallel_helper = types.SimpleNamespace(sp_size=inputs.sp_size, tp_size=1, dp_size=1, tp_group=None)
+        engine.sp_group = group
         seen: list[Any] = []
 
         def prepare_mb_list(input_: Any) -> MicroBatchList:
