@@ -406,9 +406,11 @@ def dtensor_sampling_reason(scenario: Scenario, chunked: bool = False) -> str | 
     width = dtensor_width(totals, knobs, scenario.tp, scenario.cp)
     rows = len(totals) * (width // scenario.cp)
     if width % scenario.cp == 0 and rows % scenario.tp:
+        m = dtensor_divisible_by(knobs, scenario.tp, scenario.cp)
         return (f"NeMo-RL's top-k/top-p path needs B*S_local={rows} local rows divisible by tp={scenario.tp} "
-                f"(make_sequence_length_divisible_by={dtensor_divisible_by(knobs, scenario.tp, scenario.cp)} pads S to "
-                f"{width}; NeMo-RL raises a ValueError asking for a multiple of tp)")
+                f"(make_sequence_length_divisible_by={m} pads S to {width}, S_local = S / cp; NeMo-RL raises a "
+                "ValueError asking for make_sequence_length_divisible_by = tp"
+                + (", which this is: under CP that is not enough" if m % scenario.tp == 0 else "") + ")")
     chunk = scenario.log_probs_chunk_size
     if chunked and chunk > 0 and (chunk * len(totals)) % scenario.tp:
         return (f"NeMo-RL's chunked top-k/top-p path needs chunk_size*B={chunk * len(totals)} divisible by "
