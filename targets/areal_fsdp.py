@@ -424,7 +424,24 @@ class ArealFSDPTarget(CheckoutTarget):
                 "framework_files": list(self.framework_files)}
 
     # -- the computation -------------------------------------------------------------------------
+    @staticmethod
+    def _gloo_group_check(inputs: RankInputs) -> None:
+        """On gloo, torch's all-gather backward (which AReaL's code calls) runs only on an sp group of
+        global ranks 0..sp-1; a data-parallel replica's sp group (a world larger than tp x sp) cannot
+        run it. Said before AReaL's code runs, naming torch's limitation (a capability rule cannot:
+        it does not see the world's size)."""
+        import torch.distributed as dist
+
+        group = inputs.sp_group
+        if inputs.sp_size == 1 or group is None or dist.get_backend(group) != "gloo":
+            return
+        ranks = dist.get_process_group_ranks(group)
+        if sorted(ranks) != list(range(inputs.sp_size)):
+            raise RuntimeError(f"not run: this rank's sp group is global ranks {sorted(ranks)}; {GLOO_WHY} (run a "
+                               f"world of tp x sp ranks, --nproc {inputs.sp_size * inputs.tp_size})")
+
     def compute(self, inputs: RankInputs) -> RankOutputs:
+        self._gloo_group_check(inputs)
         if self.era.kind == "inline":
             return self._compute_inline(inputs)
         import torch
