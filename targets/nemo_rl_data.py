@@ -370,7 +370,7 @@ DTENSOR_CALLS = ("train", "get_logprobs")
 
 
 def dtensor_cp_logprobs(mod: Any, path: NemoRLDTensorDataPath, logits: torch.Tensor, inputs: Any,
-                chunk: int | None, sampling: Any, call: str = "train") -> list[torch.Tensor]:
+                        chunk: int | None, sampling: Any, call: str = "train") -> list[torch.Tensor]:
     """Per sample, every response token's log-prob (gathered over CP by NeMo-RL), as the worker's
     train step computes them on this rank (``call="train"``: prepare_loss_input's
     get_next_token_logprobs_from_logits, which drops chunk_size on this branch) or as its
