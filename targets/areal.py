@@ -87,7 +87,8 @@ VARIANTS = {
     "fsdp": "AReaL's FSDP engine with Ulysses SP and vocab-parallel TP: FSDPEngine._prepare_mb_inputs -> "
             "_compute_logprobs_and_loss (_compute_logprobs_entropy: gather_logprobs_entropy, _sp_all_gather, "
             "[:-ulysses_pad_size], [:-pad_length]) compiled alone from areal/engine/fsdp_engine.py; thd and "
-            "ulysses (shardcheck.targets.areal_fsdp)",
+            "ulysses; before 0369627d4 (path=forward) PPOActor.compute_logp -> FSDPEngine.forward with the "
+            "Ulysses gather inline (shardcheck.targets.areal_fsdp)",
 }
 
 OPTIONS = {

@@ -50,6 +50,14 @@ def test_the_variant_is_listed_and_needs_a_checkout_with_the_fsdp_engine(tmp_pat
         target("fsdp", TargetConfig(str(tmp_path), (("path", "backward"),)))
     with pytest.raises(BadInput, match="no areal/models/fsdp/ulysses.py or areal/utils/ulysses.py"):
         target("fsdp", TargetConfig(str(tmp_path)))
+    # the inline era (FSDPEngine.forward with the Ulysses gather in it): its forward path only
+    engine.write_text("class FSDPEngine:\n    def forward(self, input_, post_hook=None):\n"
+                      "        return ulysses_pad_and_slice_inputs(input_)\n")
+    (tmp_path / "areal/utils").mkdir(parents=True)
+    (tmp_path / "areal/utils/ulysses.py").write_text("")
+    with pytest.raises(BadInput, match="computes log-probs inline in FSDPEngine.forward.*path=forward"):
+        target("fsdp", TargetConfig(str(tmp_path)))
+    assert target("fsdp", TargetConfig(str(tmp_path), (("path", "forward"),))).era.kind == "inline"
     # areal's own factory: fsdp is the registered one's, path is fsdp's
     with pytest.raises(BadInput, match="built by the registered target"):
         areal.target("fsdp", TargetConfig(str(tmp_path)))
