@@ -568,8 +568,6 @@ class ArealFSDPTarget(CheckoutTarget):
                     raise BadInput(f"AReaL at {self.short()}: {rel} defines no {attr}")
                 names = _closure(own, (attr,))
                 inner = self._bind(own, mod_name.rsplit(".", 1)[0], self._reads(rel, [defs[n] for n in names]))
-                if "TensorDict" in inner or any(n == "TensorDict" for n in imports):
-                    inner["TensorDict"] = TensorDict  # tensordict is not installed here: the stand-in
                 try:
                     given[name] = compile_alone(self.src / rel, names, inner)[attr]
                 except LookupError as exc:
