@@ -429,7 +429,8 @@ class ArealFSDPTarget(CheckoutTarget):
         """On gloo, torch's all-gather backward (which AReaL's code calls) runs only on an sp group of
         global ranks 0..sp-1; a data-parallel replica's sp group (a world larger than tp x sp) cannot
         run it. Said before AReaL's code runs, naming torch's limitation (a capability rule cannot:
-        it does not see the world's size)."""
+        it does not see the world's size). BadInput: the harness's error (this world cannot run it),
+        never the target's finding."""
         import torch.distributed as dist
 
         group = inputs.sp_group
@@ -437,7 +438,7 @@ class ArealFSDPTarget(CheckoutTarget):
             return
         ranks = dist.get_process_group_ranks(group)
         if sorted(ranks) != list(range(inputs.sp_size)):
-            raise RuntimeError(f"not run: this rank's sp group is global ranks {sorted(ranks)}; {GLOO_WHY} (run a "
+            raise BadInput(f"not run: this rank's sp group is global ranks {sorted(ranks)}; {GLOO_WHY} (run a "
                                f"world of tp x sp ranks, --nproc {inputs.sp_size * inputs.tp_size})")
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
