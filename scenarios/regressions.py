@@ -47,7 +47,8 @@ def regressions() -> list[Scenario]:
 
 
 def replay() -> list[Scenario]:
-    """replayed keep sets (top-p / top-k replay) in every layout, at tp 2 (and one on one device)"""
+    """replayed keep sets (top-p / top-k replay) in every layout, at tp 2 (and one on one device; the
+    sp layouts' rows are ulysses' and ring's alike: one of them)"""
     return [
         Scenario("replay-thd-one-device", (Sample(21, 11), Sample(6, 5)), vocab=24, entropy_coef=0.1,
                  temperature=0.9, replay_keep=True, seed=25),
@@ -59,6 +60,8 @@ def replay() -> list[Scenario]:
                  layout="zigzag", entropy_coef=0.1, replay_keep=True, seed=23),
         Scenario("replay-allgather-tp2cp2", (Sample(30, 14), Sample(19, 10)), vocab=32, tp=2, cp=2,
                  layout="allgather", replay_keep=True, seed=24),
+        Scenario("replay-ulysses-tp2sp2", (Sample(13, 6), Sample(10, 5)), vocab=32, tp=2, sp=2, layout="ulysses",
+                 log_probs_chunk_size=3, replay_keep=True, seed=26),
     ]
 
 
