@@ -48,8 +48,7 @@ def loss_weights(sc, i):
 def rank_rows(sc, layout):
     """The rank's rows as the run laid them out: pieces (stream, start, stop), vocab columns, shape."""
     rows = torch.cat([logit_rows(sc, *piece) for piece in layout["pieces"]])
-    a, b = layout["columns"]
-    return rows[:, a:b].contiguous().reshape(layout["shape"])
+    return rows[:, slice(*layout["columns"])].contiguous().reshape(layout["shape"])
 
 
 def truth(sc):  # what the code under test must produce
@@ -104,8 +103,7 @@ def run_rank(rank, world, folder, code, backend):
             tp_groups = [dist.new_group([c * tp + r for r in range(tp)]) for c in range(cp * sp)]
             cp_groups = [dist.new_group([c * tp + r for c in range(cp * sp)]) for r in range(tp)]
             seq = dict(cp_group=None, cp_rank=0, sp_group=cp_groups[layout["tp_rank"]], sp_rank=layout["cp_rank"], sp_size=sp) if sp > 1 else dict(cp_group=cp_groups[layout["tp_rank"]], cp_rank=layout["cp_rank"])
-            leaf = rank_rows(sc, layout).to(device).requires_grad_()
-            logits = leaf.clone()  # a model's output: not a leaf
+            logits = (leaf := rank_rows(sc, layout).to(device).requires_grad_()).clone()  # a model's output: not a leaf
             samples = range(len(sc["totals"]))
             info = SimpleNamespace(
                 tokens=[tokens(sc, i).to(device) for i in samples], total_lengths=list(sc["totals"]),
