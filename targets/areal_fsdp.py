@@ -472,7 +472,7 @@ class ArealFSDPTarget(CheckoutTarget):
             ulysses.set_ulysses_sequence_parallel_group(group)
         try:
             model_inputs, ctx = engine._prepare_mb_inputs(mb_item)
-            self._check_rows(inputs, model_inputs["input_ids"])
+            inputs.check_model_tokens(model_inputs["input_ids"], "shardcheck's areal:fsdp adapter: AReaL's engine")
             local = logits.squeeze(0)  # forward_backward_batch: outputs.logits.squeeze(0)
             seen: dict[str, Any] = {}
             if self.path == "train":
@@ -653,7 +653,7 @@ class ArealFSDPTarget(CheckoutTarget):
 
         def model(**kwargs: Any) -> Any:
             seen.append(kwargs["input_ids"])
-            self._check_rows(inputs, kwargs["input_ids"])
+            inputs.check_model_tokens(kwargs["input_ids"], "shardcheck's areal:fsdp adapter: AReaL's engine")
             return types.SimpleNamespace(logits=logits)
 
         engine.prepare_mb_list = prepare_mb_list
@@ -669,19 +669,6 @@ class ArealFSDPTarget(CheckoutTarget):
         return RankOutputs([out[i, (n - r - 1) + torch.arange(r, device=out.device)]
                             for i, (n, r) in enumerate(zip(lengths, responses))])
 
-    def _check_rows(self, inputs: RankInputs, ids: Any) -> None:
-        """AReaL's slice of the packed ids (what its model would see on this rank) must be the
-        tokens of the harness's rows for this rank, else the adapter's error."""
-        import torch
-
-        layout = inputs.rank_layout
-        samples = layout.scenario.samples
-        want = torch.tensor([int(inputs.tokens[s][p]) if s < len(samples) and p < samples[s].total else 0
-                             for s, p in layout.row_positions()], dtype=torch.int64)
-        got = ids.reshape(-1).cpu().to(torch.int64)
-        if got.shape != want.shape or not torch.equal(got, want):
-            raise RuntimeError(f"shardcheck's areal:fsdp adapter: AReaL's engine hands this rank's model other tokens "
-                               f"({got.tolist()}) than the harness's rows hold ({want.tolist()})")
 
 
 def build(variant: str | None, config: TargetConfig) -> ArealFSDPTarget:

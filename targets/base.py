@@ -514,6 +514,24 @@ class RankInputs:
         rows = local_share_rows(self.rank_layout)
         return None if rows is None else [r.to(self.logits.device) for r in rows]
 
+    def row_tokens(self) -> torch.Tensor:
+        """The token id each local row holds (0 on padding), int64 in the logits' row shape
+        (``logits.shape[:2]``), on the CPU: what a framework's own code must hand this rank's
+        model for these logits to be that model's output."""
+        from shardcheck.scenarios.traced_layout import local_tokens_at
+
+        return torch.tensor(local_tokens_at(self.rank_layout, self.tokens), dtype=torch.int64).reshape(
+            self.logits.shape[:2])
+
+    def check_model_tokens(self, ids: torch.Tensor, who: str) -> None:
+        """RuntimeError naming ``who`` (an adapter, and whose code built ``ids``) unless ``ids``,
+        what the framework's code hands this rank's model, are :meth:`row_tokens`: logits laid out
+        elsewhere than the framework lays out its inputs would check nothing."""
+        want, got = self.row_tokens(), ids.detach().cpu().to(torch.int64)
+        if got.numel() != want.numel() or not torch.equal(got.reshape(-1), want.reshape(-1)):
+            raise RuntimeError(f"{who} hands this rank's model other tokens ({got.reshape(-1).tolist()}) than the "
+                               f"harness's rows hold ({want.reshape(-1).tolist()})")
+
     def held_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per sample, the response tokens this rank's own rows score: (flattened local rows,
         response token indices), in position order. With all-gather CP these are the rank's

@@ -398,7 +398,7 @@ class OpenRLHFTarget(CheckoutTarget):
             sequences[i, :total] = tokens[:total]
             attention_mask[i, :total] = 1
             action_mask[i, total - response - 1:total - 1] = True  # action_mask[start:end] = 1, then [1:]
-        expected = self._expected_tokens(inputs, logits.shape[1])
+        expected = inputs.row_tokens()
         seen: dict[str, Any] = {}
         actor = ns["Actor"](_stand_in_model(logits, expected, seen), temperature=inputs.temperature)
         actor.packing_samples = packed  # set only on its str branch (a HF model loaded by name)
@@ -427,20 +427,6 @@ class OpenRLHFTarget(CheckoutTarget):
         compute_entropy eager, as the default here)."""
         return None if self.torch_compile else REPRO_CALL
 
-    @staticmethod
-    def _expected_tokens(inputs: RankInputs, rows: int) -> Any:
-        """The token ids of the rows the rank's logits are for: the packed stream (sp 1: all of it;
-        ring: padded with 0 to sp slices, slice sp_rank)."""
-        import torch
-
-        if inputs.layout == "bshd":  # the batch as it is: sample i in row i, right-padded with 0
-            return torch.stack([torch.nn.functional.pad(t[:total].cpu(), (0, rows - total))
-                                for t, total in zip(inputs.tokens, inputs.total_lengths)])
-        stream = torch.cat([t[:total].cpu() for t, total in zip(inputs.tokens, inputs.total_lengths)])
-        if inputs.layout != "ring":
-            return stream.unsqueeze(0)
-        padded = torch.nn.functional.pad(stream, (0, rows * inputs.sp_size - stream.numel()))
-        return padded[inputs.sp_rank * rows:(inputs.sp_rank + 1) * rows].unsqueeze(0)
 
 
 # How a `shardcheck repro` script calls OpenRLHF (harness/controller/commands/repro.py): torch alone.

@@ -401,7 +401,7 @@ class VerlFSDPTarget(CheckoutTarget):
             if self.fused != "off":  # the model verl's monkey patch makes: its forward is verl's
                 engine.module = _FusedModel(self._mods[DENSE_MODULE].forward_with_torch_backend, logits)
             model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
-            self._check_rows(inputs, model_inputs["input_ids"])
+            inputs.check_model_tokens(model_inputs["input_ids"], "shardcheck's verl:fsdp adapter: verl's engine")
             self._check_mask(lengths, model_inputs.get("attention_mask"))
             dtype = logits.dtype
             autocast = (torch.autocast(device_type=device.type, dtype=dtype)
@@ -442,20 +442,6 @@ class VerlFSDPTarget(CheckoutTarget):
                                f"samples of {lengths} tokens: the model would not attend to each sample's own "
                                "tokens (1 over them, 0 over the padding)")
 
-    def _check_rows(self, inputs: RankInputs, ids: Any) -> None:
-        """verl's slice of the packed ids (what its model would see on this rank) must be the
-        tokens of the harness's rows for this rank, else the adapter's error: logits laid out
-        elsewhere than verl lays out its inputs would check nothing."""
-        import torch
-
-        layout = inputs.rank_layout
-        samples = layout.scenario.samples
-        want = torch.tensor([int(inputs.tokens[s][p]) if s < len(samples) and p < samples[s].total else 0
-                             for s, p in layout.row_positions()], dtype=torch.int64)
-        got = ids.reshape(-1).cpu().to(torch.int64)
-        if got.shape != want.shape or not torch.equal(got, want):
-            raise RuntimeError(f"shardcheck's verl:fsdp adapter: verl's engine hands this rank's model other tokens "
-                               f"({got.tolist()}) than the harness's rows hold ({want.tolist()})")
 
 
 def build(variant: str | None, config: TargetConfig) -> VerlFSDPTarget:
