@@ -74,10 +74,14 @@ def _search(args: argparse.Namespace, target_args: list[str]) -> int:
 
 def _header(plan: fuzz.FuzzResult, quiet: bool) -> None:
     if not quiet:
+        from shardcheck.scenarios.scenario import SP_LAYOUTS
+
         grid = " ".join(f"{t}x{c}" for t, c in plan.pairs)
-        print(f"shardcheck simulate: target {plan.target}, seed {plan.seed}, tp x cp {grid}, layouts "
+        sp = {name in SP_LAYOUTS for name in plan.layouts}  # the sequence axis: cp, sp, or either by layout
+        axis = "sp" if sp == {True} else "cp" if sp == {False} else "cp/sp"
+        print(f"shardcheck simulate: target {plan.target}, seed {plan.seed}, tp x {axis} {grid}, layouts "
               f"{','.join(plan.layouts)} (world {math.lcm(*[t * c for t, c in plan.pairs])} at most per layout: "
-              "each layout on its own tp * cp ranks)", file=sys.stderr, flush=True)
+              f"each layout on its own tp * {axis} ranks)", file=sys.stderr, flush=True)
 
 
 def replay_on_real_world(sc: Scenario, target: str, kinds: Sequence[str], timeout: float,
