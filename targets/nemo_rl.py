@@ -39,7 +39,12 @@ temperature (``apply_temperature_scaling``: ``logits.div_(T)``, in place) before
 functions sees it; top-k/top-p filtering happens after, inside them. The adapter divides out of
 place (``logits / T``), the same values; ``--target-opt temperature_in_place=true`` does the
 caller's ``div_`` instead (the harness then reports that write as ``input_mutated``: it belongs
-to that caller, not to the functions covered).
+to that caller, not to the functions covered). ``nemo_rl:dtensor`` divides by nothing itself: it
+runs its DTensor worker's own lines from the model's output to the log-prob call (``train`` or
+``get_logprobs``, :class:`~shardcheck.targets.nemo_rl_data.DTensorWorkerLines`, compiled alone
+from the commit's worker file), so the commit decides whether and how the logits are scaled
+(#714, ba648542d: ``get_logprobs`` did not, ``train`` did); ``temperature_in_place=true`` there
+hands the worker the harness's own tensor as the model's output.
 
 CPU: ``AllGatherCPTensor.backward`` builds its index with ``torch.tensor(..., pin_memory=True)
 .cuda()``, so every cp > 1 path fails on a CPU world. Where the source has that and this machine
@@ -74,7 +79,8 @@ from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, Rank
                                      layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
 from shardcheck.targets.nemo_rl_data import (DATA_FILE, DTENSOR_CALLS, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath,
-                                             NemoRLDTensorDataPath, NemoRLLossPath, dtensor_cp_logprobs,
+                                             PARALLELIZE_FILE, DTensorWorkerLines, NemoRLDTensorDataPath, NemoRLLossPath,
+                                             dtensor_cp_logprobs,
                                              dtensor_sampling_reason, has_fused_loss, has_packing, has_unfused_loss)
 from shardcheck.targets.source import Framework, parameters
 
@@ -97,7 +103,9 @@ OPTIONS = {
                  "needs CUDA (pin_memory + .cuda()); each then fails with NeMo-RL's error",
     "temperature_in_place": "true: divide the given logits in place (logits.div_(T)) as NeMo-RL's "
                             "apply_temperature_scaling (models/megatron/train.py) does, instead of out of place; "
-                            "the harness then reports that write as input_mutated at the adapter's line",
+                            "the harness then reports that write as input_mutated at the adapter's line "
+                            "(nemo_rl:dtensor: the worker's own lines get the harness's tensor as the model's "
+                            "output, not a copy, and their div_, where the commit has one, writes it)",
     "layout": "framework (NeMo-RL's _pack_sequences_for_megatron lays out thd and zigzag rows, the default where "
               "the checkout has it) or shardcheck (the harness's rows, each sequence padded to 2*cp)",
     "call": "nemo_rl:dtensor only: train (default: its train step's prepare_loss_input -> "
@@ -135,6 +143,9 @@ class NemoRLEra:
     fused_loss: bool
     unfused_loss: bool
     dtensor: bool = False  # get_next_token_logprobs_from_logits takes DTensor logits (its DTensor worker's path)
+    # the file holding get_logprobs_from_vocab_parallel_logits (the DTensor worker's get_logprobs call):
+    # model_utils from e861b94dd, nemo_rl/models/dtensor/parallelize.py before
+    dtensor_logprobs_file: str | None = None
 
     def reported(self) -> dict[str, Any]:
         """The fields reports show (the parameter lists left out)."""
@@ -176,7 +187,13 @@ def detect_era(src: Path) -> NemoRLEra:
         fused_loss=has_fused_loss(src),
         unfused_loss=has_unfused_loss(src),
         dtensor=NEXT_TOKEN in functions and DTENSOR in functions,
+        dtensor_logprobs_file=str(MODEL_UTILS) if DTENSOR in functions else (
+            str(PARALLELIZE_FILE) if _defines(FRAMEWORK.parse(src, PARALLELIZE_FILE), DTENSOR) else None),
     )
+
+
+def _defines(tree: ast.Module | None, name: str) -> bool:
+    return tree is not None and any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
 
 
 def _enclosing(tree: ast.Module, node: ast.AST) -> str:
@@ -257,7 +274,9 @@ VARIANTS = {
                "(scenario layout zigzag) the worker's CP: the padded [B, S] batch sharded by torch's "
                "context_parallel (head-tail load-balanced where S % 2cp == 0, else contiguous), seq_index, "
                "input_ids a DTensor on the cp mesh, logits [Shard(1), Shard(-1)] on a ('cp','tp') mesh, "
-               "NeMo-RL's own CP gather (full_tensor) and the worker's loss *= cp_size",
+               "NeMo-RL's own CP gather (full_tensor) and the worker's loss *= cp_size; before the call, the "
+               "worker's own lines from its model's output to it (the temperature, where the commit divides), "
+               "compiled alone from its worker file; before e861b94dd call=get_logprobs only, at cp 1",
     "sampling": "the default paths with sampling_params=TrainingSamplingParams(top_k, top_p, temperature) from "
                 "the scenario (DistributedLogprobWithSampling / ChunkedDistributedLogprobWithSampling); a "
                 "scenario without top-k/top-p passes params that filter nothing",
@@ -296,8 +315,18 @@ class NemoRLTarget(CheckoutTarget):
                            "later): use the default nemo_rl target")
         if variant == "sampling" and not self.era.sampling:
             raise BadInput(f"NeMo-RL at {self.short()} takes no sampling_params (top-k/top-p came later)")
-        if variant == "dtensor" and not self.era.dtensor:
-            raise BadInput(f"NeMo-RL at {self.short()} has no {NEXT_TOKEN} with a DTensor branch ({DTENSOR})")
+        if variant == "dtensor" and not self.era.dtensor and not (
+                self.dtensor_call == "get_logprobs" and self.era.dtensor_logprobs_file):
+            raise BadInput(f"NeMo-RL at {self.short()} has no {NEXT_TOKEN} with a DTensor branch ({DTENSOR})"
+                           + (f" (its {DTENSOR} is in {self.era.dtensor_logprobs_file}: call=get_logprobs runs there)"
+                              if self.era.dtensor_logprobs_file else ""))
+        self.worker_lines: DTensorWorkerLines | None = None
+        if variant == "dtensor":
+            try:
+                self.worker_lines = DTensorWorkerLines(self.src, self.dtensor_call, self.import_module)
+            except (LookupError, OSError, SyntaxError) as exc:
+                raise BadInput(f"NeMo-RL at {self.short()}: its DTensor worker's lines between the model's output "
+                               f"and the log-prob call cannot be compiled: {exc}") from None
         if variant == "fused_loss" and not self.era.fused_loss:
             raise BadInput(f"NeMo-RL at {self.short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
                            "later): use nemo_rl:pre_rolled")
@@ -311,7 +340,9 @@ class NemoRLTarget(CheckoutTarget):
                            f"{'layout=shardcheck was asked' if layout != 'framework' else 'this checkout has none'}")
         self.framework_files = tuple(str(f) for f in (MODEL_UTILS, SAMPLING_FILE) if (self.src / f).is_file()) + (
             (str(DATA_FILE),) if self.data_path is not None and variant != "dtensor" else ()) + (
-            (str(LOSS_UTILS_FILE), str(WRAPPER_FILE)) if self._through_loss() else ())
+            (str(LOSS_UTILS_FILE), str(WRAPPER_FILE)) if self._through_loss() else ()) + (
+            (str(self.worker_lines.file),) if self.worker_lines is not None else ()) + (
+            (str(PARALLELIZE_FILE),) if variant == "dtensor" and not self.era.dtensor else ())
         self.capabilities = self._capabilities()
         # ChunkedDistributedEntropy returns sum p log p: the reference follows, the adapter never negates.
         # With CP every log-prob path gathers (AllGatherCPTensor, allgather_cp_sharded_tensor): each
@@ -330,6 +361,7 @@ class NemoRLTarget(CheckoutTarget):
         self._mod: Any = None
         self._sampling_mod: Any = None
         self._loss_path: NemoRLLossPath | None = None  # compiled on first use, from the imported modules
+        self._old_dtensor: Any = None  # parallelize.py's get_logprobs_from_vocab_parallel_logits, compiled alone
 
     def repro_call(self) -> str | None:
         """How a repro script calls NeMo-RL: the default variant on shardcheck's rows (a script that
@@ -351,6 +383,10 @@ class NemoRLTarget(CheckoutTarget):
                 reasons["zigzag"] = ("NeMo-RL's DTensor CP shards a [B, S] batch with torch's context_parallel "
                                      "(layout=framework): shardcheck's packed zigzag rows are not its")
             cp_sizes, cp_reason = None, ""
+            if not era.dtensor:  # get_logprobs only, from parallelize.py (before e861b94dd)
+                cp_sizes, cp_reason = frozenset({1}), (
+                    f"NeMo-RL at {self.short()}: its {DTENSOR} is in {PARALLELIZE_FILE}; shardcheck runs its "
+                    "DTensor worker's get_logprobs there at cp 1 only (its CP call is not modelled at that era)")
         elif self.variant == "fused_loss":
             layouts = {"thd", "zigzag"}
             reasons["bshd"] = ("NeMo-RL's fused packed loss runs with sequence packing only (thd, zigzag): bshd "
@@ -404,6 +440,9 @@ class NemoRLTarget(CheckoutTarget):
 
     def forget(self) -> None:
         self._mod = self._sampling_mod = self._loss_path = None
+        self._old_dtensor = None
+        if self.worker_lines is not None:
+            self.worker_lines.forget()
         if self.data_path is not None:
             self.data_path.release()
 
@@ -414,11 +453,20 @@ class NemoRLTarget(CheckoutTarget):
             "entropy": ("none (the DTensor worker's path computes none)" if self.variant == "dtensor" else
                         f"{ENTROPY} (sum p log p, the negative entropy, as NeMo-RL defines it)"),
             "definitions": self.definitions.describe(),
-            "temperature": ("logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
+            "temperature": (f"NeMo-RL's own DTensor worker lines decide: {self.worker_lines.describe()}; names bound "
+                            f"from its imports: {self.worker_lines.bound or '(none read yet)'}; the model's output a "
+                            + ("the harness's logits themselves (temperature_in_place=true)" if self.temperature_in_place
+                               else "copy of the harness's logits")
+                            if self.worker_lines is not None else
+                            "logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
                             else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
             "cp_on_cpu": self.cp_on_cpu,
-            **({"call": ("DTensorPolicyWorker.get_logprobs's (get_logprobs_from_vocab_parallel_logits with chunk_size; "
-                         "with grad here: inference_only=False)" if self.dtensor_call == "get_logprobs" else
+            **({"call": ((f"DTensorPolicyWorker.get_logprobs's ({PARALLELIZE_FILE}'s {DTENSOR} compiled alone, "
+                          "called as the worker then did: logits.to(torch.float32), input_ids; its "
+                          "dtensor_from_parallel_logits_to_logprobs's @torch.no_grad() body run undecorated so the "
+                          "backward is checked)" if not self.era.dtensor else
+                          "DTensorPolicyWorker.get_logprobs's (get_logprobs_from_vocab_parallel_logits with chunk_size; "
+                          "with grad here: inference_only=False)") if self.dtensor_call == "get_logprobs" else
                          "DTensorPolicyWorker.train's (prepare_loss_input -> get_next_token_logprobs_from_logits)")}
                if self.variant == "dtensor" else {}),
             "data_path": layout_description(self.data_path, self.layout_option, "no packing"),
@@ -444,6 +492,10 @@ class NemoRLTarget(CheckoutTarget):
                                       "(CP gather: full_tensor)",
                    "bshd": f"{NEXT_TOKEN} on DTensor logits (Shard(-1), a ('tp',) mesh) -> {DTENSOR} -> "
                            "dtensor_from_parallel_logits_to_logprobs"}
+            if not self.era.dtensor:  # call=get_logprobs at a commit before e861b94dd, cp 1 only
+                out = {"bshd": f"{PARALLELIZE_FILE}::{DTENSOR} (compiled alone) on DTensor logits (Shard(-1), a "
+                               "('tp',) mesh) -> dtensor_from_parallel_logits_to_logprobs"}
+            out["worker lines"] = self.worker_lines.describe() if self.worker_lines is not None else "none"
         if self.variant == "sampling":
             out["sampling"] = "sampling_params=TrainingSamplingParams(top_k, top_p, temperature)"
         return out
@@ -511,7 +563,9 @@ class NemoRLTarget(CheckoutTarget):
     def compute(self, inputs: RankInputs) -> RankOutputs:
         mod = self._module()
         logits = inputs.logits
-        if inputs.temperature != 1.0:  # NeMo-RL's caller scales the model output before these functions
+        if self.worker_lines is not None:  # the DTensor worker's own lines decide (temperature or not)
+            logits = self._worker_logits(inputs)
+        elif inputs.temperature != 1.0:  # NeMo-RL's caller scales the model output before these functions
             logits = logits.div_(inputs.temperature) if self.temperature_in_place else logits / inputs.temperature
         chunk = inputs.chunk_size if inputs.chunk_size > 0 else None
         v_local = logits.size(-1)
@@ -550,6 +604,47 @@ class NemoRLTarget(CheckoutTarget):
             flat = neg.reshape(-1)  # sum p log p: NeMo-RL's definition, declared in self.definitions
             entropy = [flat[r] for r in rows]
         return RankOutputs(log_probs, entropy)
+
+    def _worker_logits(self, inputs: RankInputs) -> Any:
+        """The DTensor worker's own lines from its model's output to its log-prob call
+        (:class:`DTensorWorkerLines`), the model a stand-in whose output is a copy of the harness's
+        logits for this rank (the harness's own tensor with temperature_in_place=true, so that the
+        worker's in-place div_ writes it), on an object holding what the worker's __init__ sets that
+        they read: cfg["generation"] (temperature, top_k, top_p) and sampling_params
+        (TrainingSamplingParams from that config, where the commit has it), cp_size."""
+        asked = scenario_sampling(inputs)
+        top_k, top_p = asked if asked is not None else (None, 1.0)
+        cls = getattr(self._sampling_mod, "TrainingSamplingParams", None)
+        attributes = {
+            "cfg": {"generation": {"temperature": inputs.temperature, "top_k": top_k, "top_p": top_p}},
+            "sampling_params": cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature) if cls else None,
+            "cp_size": inputs.cp_size}
+        output = inputs.logits if self.temperature_in_place else inputs.logits.clone()
+        assert self.worker_lines is not None
+        return self.worker_lines(output, attributes)
+
+    def _dtensor_logprobs(self, mod: Any) -> Any:
+        """get_logprobs_from_vocab_parallel_logits: model_utils's, or before e861b94dd
+        parallelize.py's compiled alone (that module imports transformers' models), its
+        dtensor_from_parallel_logits_to_logprobs model_utils's; where that is decorated
+        @torch.no_grad() (the worker's get_logprobs runs without grad anyway) its undecorated body
+        (``__wrapped__``), so that the backward is checked as on every other commit."""
+        if self.era.dtensor_logprobs_file == str(MODEL_UTILS):
+            return getattr(mod, DTENSOR)
+        if self._old_dtensor is None:
+            import typing
+
+            import torch
+            from torch.distributed.tensor import DTensor
+
+            from shardcheck.targets.compiled import compile_alone
+
+            inner = mod.dtensor_from_parallel_logits_to_logprobs
+            ns = compile_alone(self.src / PARALLELIZE_FILE, [DTENSOR], {
+                "torch": torch, "DTensor": DTensor, "Optional": typing.Optional,
+                "dtensor_from_parallel_logits_to_logprobs": getattr(inner, "__wrapped__", inner)})
+            self._old_dtensor = ns[DTENSOR]
+        return self._old_dtensor
 
     def _kwargs(self, params: set[str], inputs: RankInputs, chunk: int | None, sampling: Any) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"inference_only": False}
@@ -591,8 +686,14 @@ class NemoRLTarget(CheckoutTarget):
         width = logits.shape[1]
         sharded = vocab_sharded(logits, inputs.tp_group, "tp")
         if self.dtensor_call == "get_logprobs":  # DTensorPolicyWorker.get_logprobs's call (cp 1)
-            out = getattr(mod, DTENSOR)(sharded, _right_padded(inputs, width, logits.device), chunk_size=chunk,
-                                        sampling_params=sampling)
+            fn = self._dtensor_logprobs(mod)
+            params = inspect.signature(fn).parameters
+            kwargs = {k: v for k, v in (("chunk_size", chunk), ("sampling_params", sampling)) if k in params}
+            if not self.era.dtensor:  # the worker casts there: logits.to(torch.float32)
+                import torch
+
+                sharded = sharded.to(torch.float32)
+            out = fn(sharded, _right_padded(inputs, width, logits.device), **kwargs)
         else:
             out = getattr(mod, NEXT_TOKEN)(_right_padded(inputs, width, logits.device), sharded,
                                            sampling_params=sampling, chunk_size=chunk)

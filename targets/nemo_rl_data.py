@@ -416,3 +416,194 @@ def dtensor_sampling_reason(scenario: Scenario, chunked: bool = False) -> str | 
         return (f"NeMo-RL's chunked top-k/top-p path needs chunk_size*B={chunk * len(totals)} divisible by "
                 f"tp={scenario.tp} (ChunkedDistributedLogprobWithSampling raises otherwise)")
     return None
+
+
+# ---- the DTensor worker's own lines between the model's output and the log-prob call ------------
+
+WORKER_FILES = (Path("nemo_rl/models/policy/workers/dtensor_policy_worker.py"),
+                Path("nemo_rl/models/policy/dtensor_policy_worker.py"))
+WORKER_CLASS = "DTensorPolicyWorker"
+PARALLELIZE_FILE = Path("nemo_rl/models/dtensor/parallelize.py")  # get_logprobs_from_vocab_parallel_logits before e861b94dd
+
+
+def _imports(tree: ast.Module, package: str) -> dict[str, tuple[str, str | None]]:
+    """A file's module-level imports: name -> (module, attribute or None for the module)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = (a.name if a.asname else a.name.split(".")[0], None)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                out[a.asname or a.name] = (base, a.name)
+    return out
+
+
+def _self_calls(node: ast.AST) -> set[str]:
+    """The ``self.NAME(...)`` methods ``node`` calls."""
+    return {n.func.attr for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"}
+
+
+def _reads_outputs_into_logits(stmt: ast.stmt) -> bool:
+    """``logits = outputs.logits`` (or an ``if`` choosing between the model's outputs for it)."""
+    assigns = any(isinstance(n, ast.Name) and n.id == "logits" and isinstance(n.ctx, ast.Store) for n in ast.walk(stmt))
+    reads = any(isinstance(n, ast.Name) and n.id == "outputs" and isinstance(n.ctx, ast.Load) for n in ast.walk(stmt))
+    return assigns and reads
+
+
+def _is_cp_branch(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.If) and "self.cp_size" in ast.unparse(stmt.test)
+
+
+def worker_lines(method: ast.FunctionDef) -> list[ast.stmt] | None:
+    """The statements of ``method`` from the one that takes ``logits`` from the model's ``outputs``
+    up to (not including) its ``if self.cp_size > 1:`` (where the log-prob call's branches start):
+    whatever the worker does to the logits in between, the temperature among it. None if absent."""
+    for node in ast.walk(method):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if not isinstance(body, list):
+                continue
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.stmt) and _reads_outputs_into_logits(stmt):
+                    # (a block around it reads and assigns them too: the search goes on inside)
+                    j = next((j for j in range(i + 1, len(body)) if _is_cp_branch(body[j])), None)
+                    if j is not None:
+                        return body[i:j]
+                    break
+    return None
+
+
+class DTensorWorkerLines:
+    """NeMo-RL's DTensor worker's own lines between its model's output and the log-prob call, for
+    one of its calls (``train`` or ``get_logprobs``), compiled alone from the worker's file (path
+    and line numbers kept) as a function of ``(self, outputs)`` returning ``logits``, with the
+    worker's methods those lines call (``self._apply_temperature_scaling`` where the commit has it)
+    compiled alone too. Every other name they read is bound as the worker file's imports bind it
+    (a NeMo-RL module the checkout cannot import here: the definition compiled alone from its own
+    file). What the commit's worker does to the logits (divide by the temperature or not) is what
+    runs; nothing of it is shardcheck's."""
+
+    def __init__(self, src: Path, call: str, import_module: Callable[[str], Any]) -> None:
+        self.src, self.call, self._import_module = src, call, import_module
+        path = next((p for p in WORKER_FILES if (src / p).is_file()), None)
+        if path is None:
+            raise LookupError(f"no DTensor policy worker ({' or '.join(map(str, WORKER_FILES))})")
+        self.file = path
+        tree = ast.parse((src / path).read_text(), filename=str(src / path))
+        # the class defining the call (DTensorPolicyWorker; DTensorPolicyWorkerImpl at newer commits)
+        cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and any(
+            isinstance(f, ast.FunctionDef) and f.name == call for f in n.body)), None)
+        if cls is None:
+            raise LookupError(f"{path}: no class with a method {call}")
+        self.cls_name = cls.name
+        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+        lines = worker_lines(methods[call])
+        if lines is None:
+            raise LookupError(f"{path}: {cls.name}.{call} has no 'logits = outputs...' followed by "
+                              "'if self.cp_size > 1:' in one block")
+        self.lines = (lines[0].lineno, lines[-1].end_lineno or lines[-1].lineno)
+        helpers: dict[str, ast.FunctionDef] = {}
+        todo = set().union(*(_self_calls(s) for s in lines))
+        while todo:
+            name = todo.pop()
+            if name in helpers:
+                continue
+            if name not in methods:
+                raise LookupError(f"{path}: {cls.name}.{call}'s lines call self.{name}, which {cls.name} lacks")
+            helpers[name] = methods[name]
+            todo |= _self_calls(methods[name])
+        self.helpers = sorted(helpers)
+        last = lines[-1]
+        ret = ast.Return(value=ast.Name(id="logits", ctx=ast.Load()))
+        ast.copy_location(ret, last)
+        ret.end_lineno, ret.end_col_offset = last.end_lineno, last.end_col_offset
+        fn = ast.FunctionDef(name=f"_{call}_lines", args=ast.arguments(
+            posonlyargs=[], args=[ast.arg(arg="self"), ast.arg(arg="outputs")], kwonlyargs=[], kw_defaults=[],
+            defaults=[]), body=[*lines, ret], decorator_list=[], returns=None, type_params=[])
+        ast.copy_location(fn, lines[0])
+        for h in helpers.values():
+            h.decorator_list = []
+        klass = ast.ClassDef(name=cls.name, bases=[], keywords=[], body=[fn, *helpers.values()],
+                             decorator_list=[], type_params=[])
+        ast.copy_location(klass, lines[0])
+        self._module = ast.fix_missing_locations(ast.Module(body=[klass], type_ignores=[]))
+        self._tree, self._path = tree, src / path
+        self._cls: Any = None
+        self.bound: dict[str, str] = {}
+
+    def _bind(self) -> type:
+        import __future__
+        import builtins
+        import importlib
+        import symtable
+
+        from shardcheck.targets.compiled import names_read
+
+        table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(self._module),
+                                  str(self._path), "exec")
+        reads: set[str] = set()
+        for child in table.get_children():
+            reads |= names_read(child)
+        reads -= set(dir(builtins))
+        package = ".".join(self.file.with_suffix("").parts[:-1])
+        imports = _imports(self._tree, package)
+        unknown = sorted(n for n in reads if n not in imports)
+        if unknown:
+            raise LookupError(f"{self.file}: the worker's lines read {', '.join(unknown)}, which the file does not "
+                              "import (the adapter binds only what the file imports)")
+        given: dict[str, Any] = {}
+        for name in sorted(reads):
+            mod_name, attr = imports[name]
+            if mod_name.split(".")[0] == "nemo_rl":
+                try:
+                    mod = self._import_module(mod_name)
+                    given[name] = mod if attr is None else getattr(mod, attr)
+                    self.bound[name] = f"{mod_name}" + (f".{attr}" if attr else "")
+                except Exception:  # its module imports what is not here: the definition alone, from its file
+                    if attr is None:
+                        raise
+                    rel = Path(*mod_name.split(".")).with_suffix(".py")
+                    mod_tree = ast.parse((self.src / rel).read_text())
+                    inner = _imports(mod_tree, mod_name.rpartition(".")[0])
+                    ns = compile_alone(self.src / rel, [attr], {n: importlib.import_module(m) if a is None else
+                                                                getattr(importlib.import_module(m), a)
+                                                                for n, (m, a) in inner.items()
+                                                                if m.split(".")[0] in ("os", "torch", "typing")})
+                    given[name] = ns[attr]
+                    self.bound[name] = f"{rel}::{attr} (compiled alone)"
+            else:
+                mod = importlib.import_module(mod_name)
+                given[name] = mod if attr is None else getattr(mod, attr)
+                self.bound[name] = f"{mod_name}" + (f".{attr}" if attr else "")
+        namespace: dict[str, Any] = {"__name__": "shardcheck_nemo_rl_dtensor_worker", "__file__": str(self._path),
+                                     **given}
+        code = compile(self._module, str(self._path), "exec", flags=__future__.annotations.compiler_flag,
+                       dont_inherit=True)
+        exec(code, namespace)  # noqa: S102 - NeMo-RL's own worker lines, from its file
+        return namespace[self.cls_name]
+
+    def __call__(self, model_output: torch.Tensor, attributes: dict[str, Any]) -> torch.Tensor:
+        """The worker's lines on ``outputs.logits = model_output``, on an object holding what its
+        ``__init__`` sets that they read (``attributes``); the logits they leave."""
+        import types
+
+        if self._cls is None:
+            self._cls = self._bind()
+        worker = object.__new__(self._cls)
+        vars(worker).update(attributes)
+        return getattr(worker, f"_{self.call}_lines")(types.SimpleNamespace(logits=model_output))
+
+    def forget(self) -> None:
+        """Drop what was bound from the checkout's modules (the target's release)."""
+        self._cls, self.bound = None, {}
+
+    def describe(self) -> str:
+        helpers = "".join(f", {self.cls_name}.{h}" for h in self.helpers)
+        return (f"{self.file}:{self.lines[0]}-{self.lines[1]} ({self.cls_name}.{self.call}: from the model's output "
+                f"to 'if self.cp_size > 1'){helpers}, compiled alone")

@@ -680,3 +680,36 @@ def test_nemo_rl_loss_runs_the_megatron_post_processor_at_the_pin_and_coverage_n
         assert name in ran, sorted(ran)
     [v] = verdicts.values()
     assert v["kinds"] == ["mask_leak"], v  # masked_mean multiplies by the mask (latent: docs/nemo-rl.md)
+
+
+@needs_history
+@pytest.mark.world
+def test_the_dtensor_get_logprobs_temperature_fixed_at_ba648542d(tmp_path, monkeypatch):
+    """#714 (ba648542d): the V1 DTensor worker's train() divided its logits by the generation
+    temperature, its get_logprobs() did not (prev/reference log-probs of z, training's of z / T).
+    nemo_rl:dtensor runs the worker's own lines between the model's output and the log-prob call
+    (compiled alone from the commit's worker file), so the commit decides: at the parent
+    (401cf126f) get_logprobs's log-probs are off at T = 0.5, at the fix they pass. Both commits read
+    the engine from the environment: NRL_VLLM_USE_V1=0 (V0, whose generation log-probs are of
+    z / T, the harness's reference); at NeMo-RL's default (V1) the fixed worker divides by nothing."""
+    import dataclasses
+
+    from conftest import write_scenarios
+    from shardcheck.scenarios import get_suite
+
+    monkeypatch.setenv("NRL_VLLM_USE_V1", "0")
+    [sc] = [dataclasses.replace(s, name="dtensor-t05", samples=s.samples[:1], temperature=0.5)
+            for s in get_suite("logprob") if s.name == "bshd-tp1cp1-basic-logprob"]
+    f = write_scenarios(tmp_path / "t05.json", [sc])
+    repo = os.environ[REPO_ENV]
+    parent, verdicts, _ = _run(tmp_path, "nemo_rl:dtensor", "--target-opt", "call=get_logprobs", "--nemo-rl-src",
+                               export_commit(repo, "401cf126f", tmp_path / "parent", "nemo_rl"), "--scenario-file",
+                               str(f))
+    assert parent.returncode == 1, parent.stdout[-2000:] + parent.stderr[-2000:]
+    assert "value_mismatch" in verdicts["dtensor-t05"]["kinds"], verdicts
+    fixed, verdicts, _ = _run(tmp_path, "nemo_rl:dtensor", "--target-opt", "call=get_logprobs", "--nemo-rl-src",
+                              export_commit(repo, "ba648542d", tmp_path / "fix", "nemo_rl"), "--scenario-file", str(f))
+    assert fixed.returncode == 0 and verdicts["dtensor-t05"]["verdict"] == "pass", fixed.stdout[-2000:]
+    # before e861b94dd only get_logprobs's call runs (train's log-probs came from its loss functions then)
+    with pytest.raises(BadInput, match="call=get_logprobs runs there"):
+        nemo_rl.target("dtensor", TargetConfig(str(tmp_path / "parent")))
