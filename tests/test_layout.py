@@ -165,3 +165,30 @@ def test_the_sp_layouts_cut_the_padded_packed_sequence_into_contiguous_slices(la
         lay = rank_layout(sc, 1, r)
         assert lay.shape == (1, 3, 4) and lay.columns == (4, 8) and lay.share == ((0, 1), (0, 1, 2))
     assert "sp" not in Scenario("t", [[5, 2]], vocab=8).to_dict()  # written when on: older files hold
+
+
+def test_the_tokens_a_frameworks_model_must_be_handed_are_the_rows_tokens():
+    """RankInputs.row_tokens / check_model_tokens, which verl:fsdp, areal:fsdp and openrlhf ask
+    before their framework's model output stands in: hand-laid rows (ulysses sp 2: 5 + 4 tokens
+    padded to 10, rank 1 holds tokens 5..8 and one padding row; bshd pads each sample with 0), and
+    the same ids a row late are refused, naming who built them."""
+    import torch
+
+    from shardcheck.targets.base import RankInputs
+
+    tokens = [torch.arange(10, 15), torch.arange(20, 24)]
+
+    def inputs(sc, sp_rank):
+        lay = rank_layout(sc, 0, sp_rank)
+        return RankInputs(logits=torch.zeros(lay.shape), tokens=tokens, total_lengths=[5, 4], response_lengths=[2, 3],
+                          layout=sc.layout, with_entropy=False, entropy_coef=0.0, temperature=1.0, chunk_size=-1,
+                          max_seq_lens=None, tp_group=None, cp_group=None, tp_rank=0, tp_size=1, cp_rank=0, cp_size=1,
+                          rank_layout=lay)
+
+    rank1 = inputs(Scenario("u", [[5, 2], [4, 3]], vocab=4, sp=2, layout="ulysses"), 1)
+    assert rank1.row_tokens().tolist() == [[20, 21, 22, 23, 0]]
+    padded = inputs(Scenario("b", [[5, 2], [4, 3]], vocab=4, layout="bshd"), 0)
+    assert padded.row_tokens().tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 23, 0]]
+    rank1.check_model_tokens(torch.tensor([[20, 21, 22, 23, 0]]), "x's engine")  # the right ids pass
+    with pytest.raises(RuntimeError, match=r"x's engine hands this rank's model other tokens \(\[21, 22, 23, 0, 0\]\)"):
+        rank1.check_model_tokens(torch.tensor([[21, 22, 23, 0, 0]]), "x's engine")
