@@ -149,12 +149,13 @@ def variants(axis: str, base: Scenario, world: int) -> list[Variant]:
     if axis == "tp":
         return [v(base, f"tp={t}", world, tp=t) for t in TP_SIZES]
     if axis == "cp":
-        return [v(base, f"cp={c} {_cp_layout(base, c)}", world, cp=c, layout=_cp_layout(base, c)) for c in CP_SIZES]
+        return [v(base, f"cp={c} {_cp_layout(base, c)}", world, cp=c, sp=1, layout=_cp_layout(base, c))
+                for c in CP_SIZES]
     if axis == "cp_mode":
         c = base.cp if base.cp > 1 else 2
-        return [v(base, f"{m} cp={c}", world, cp=c, layout=m) for m in CP_LAYOUTS]
+        return [v(base, f"{m} cp={c}", world, cp=c, sp=1, layout=m) for m in CP_LAYOUTS]
     if axis == "format":
-        return [v(base, f, world, cp=1, layout=f) for f in ("thd", "bshd")]
+        return [v(base, f, world, cp=1, sp=1, layout=f) for f in ("thd", "bshd")]
     if axis == "chunk":
         sizes = dict.fromkeys((base.log_probs_chunk_size, *CHUNK_SIZES))
         return [v(base, f"chunk={c}", world, log_probs_chunk_size=c) for c in sizes]
