@@ -59,6 +59,23 @@ def test_variants_of_each_axis_and_what_the_world_cannot_hold():
     assert [s.data_id for s in between.samples] == [2, 0, 1, 3]  # new neighbours get new identities
     odd = Scenario("v", (Sample(9, 3),), vocab=37)
     assert variants("tp", odd, 4)[1].skip == "vocab 37 is not divisible by tp 2"
+    # a sequence-parallel base: the Megatron family's axes lay it out with sp 1, each variant valid
+    ulysses = Scenario("u", (Sample(9, 3), Sample(7, 2)), vocab=16, sp=2, layout="ulysses")
+    for axis in ("cp", "cp_mode", "format"):
+        assert all(v.skip is None and v.scenario.sp == 1 for v in variants(axis, ulysses, 4)), axis
+
+
+def test_an_axis_that_compared_nothing_is_not_called_kept():
+    from shardcheck.harness.controller.commands.invariance import Cell, InvarianceResult
+    from shardcheck.harness.controller.reports.invariance_report import render
+
+    nothing = {q: Cell(skipped=["u cp=1 thd: refused"]) for q in ("log_probs", "entropy", "grad")}
+    some = {q: Cell(compared=2) for q in ("log_probs", "entropy", "grad")}
+    result = InvarianceResult({"name": "t"}, ["cp", "packing"], {"cp": Expect(0), "packing": Expect(0)},
+                              {"cp": nothing, "packing": some})
+    assert render(result).splitlines()[-1] == "contract kept: packing=bitwise; not checked (no pair compared): cp"
+    alone = InvarianceResult({"name": "t"}, ["tp"], {"cp": Expect(0)}, {"tp": some})
+    assert render(alone).splitlines()[-1].startswith("no contract declared for the axes run (tp)")
 
 
 def test_a_difference_of_exactly_one_ulp_is_counted_and_none_is_not():

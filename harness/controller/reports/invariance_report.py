@@ -68,9 +68,16 @@ def render(result: InvarianceResult) -> str:
             lines.append(f"  {f.message}")
         if len(result.violations) > MAX_VIOLATIONS_SHOWN:
             lines.append(f"  ... {len(result.violations) - MAX_VIOLATIONS_SHOWN} more in the JSON report")
+    elif any(a in result.axes for a in result.contract):
+        # an axis whose every pair was refused or skipped compared nothing: not kept, unchecked
+        checked = {a for a in result.axes if any(result.matrix[a][q].compared for q in QUANTITIES)}
+        kept = [f"{a}={e}" for a, e in result.contract.items() if a in checked]
+        unchecked = [a for a in result.contract if a in result.axes and a not in checked]
+        lines.append("contract kept: " + (", ".join(kept) or "nothing compared")
+                     + (f"; not checked (no pair compared): {', '.join(unchecked)}" if unchecked else ""))
     elif result.contract:
-        lines.append("contract kept: " + ", ".join(f"{a}={e}" for a, e in result.contract.items()
-                                                    if a in result.axes))
+        lines.append(f"no contract declared for the axes run ({', '.join(result.axes)}): differences are shown, "
+                     "not judged (--expect AXIS=BOUND to give one)")
     else:
         lines.append("no contract declared or given (--expect): differences are shown, not judged")
     return "\n".join(lines)
