@@ -160,7 +160,7 @@ class BuiltinTarget(TargetBase):
     # layout, packing, order or micro-batch, at a given tp. Across tp sizes the vocab sums are
     # split differently, so no bound is promised there (docs/invariance.md gives the measured figures).
     invariance = {axis: "bitwise" for axis in
-                  ("rerun", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")}
+                  ("rerun", "cp", "cp_mode", "format", "chunk", "packing", "order", "split", "sp")}
     # per local row, the replayed keep set it renormalises over (set by compute; None: none)
     _row_keep: list | None = None
 

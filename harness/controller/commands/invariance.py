@@ -42,14 +42,15 @@ import torch
 from shardcheck.errors import BadInput
 from shardcheck.harness.controller.reports.verdict import INVARIANCE_VIOLATION, Failure, RankResult, Verdict, merge
 from shardcheck.harness.controller.worlds.choice import World
-from shardcheck.scenarios.scenario import CP_LAYOUTS, Sample, Scenario, data_id
+from shardcheck.scenarios.scenario import CP_LAYOUTS, SP_LAYOUTS, Sample, Scenario, data_id
 from shardcheck.harness.wire import Checks
 from shardcheck.targets.base import knob_skip_reason, step_skip_reason
 
-AXES = ("rerun", "tp", "cp", "cp_mode", "format", "chunk", "packing", "order", "split")
+AXES = ("rerun", "tp", "cp", "cp_mode", "format", "chunk", "packing", "order", "split", "sp")
 QUANTITIES = ("log_probs", "entropy", "grad")
 TP_SIZES = (1, 2, 4)
 CP_SIZES = (1, 2, 4)
+SP_SIZES = (1, 2, 4)  # sp 1: the packed layout the sp layouts slice (thd)
 CHUNK_SIZES = (-1, 3)
 # the new neighbours of the packing axis: a sample before and one after the whole batch
 FILLERS = (Sample(7, 3), Sample(11, 4))
@@ -128,7 +129,8 @@ def _variant(base: Scenario, label: str, world: int, samples: Sequence[Sample] |
     except BadInput as exc:
         return Variant(label, None, str(exc).split(": ", 1)[-1])
     if world % sc.ranks:
-        return Variant(label, None, f"tp={sc.tp} x cp={sc.cp} needs {sc.ranks} ranks; the world has {world}"
+        seq = f"sp={sc.sp}" if sc.sp > 1 else f"cp={sc.cp}"
+        return Variant(label, None, f"tp={sc.tp} x {seq} needs {sc.ranks} ranks; the world has {world}"
                        if sc.ranks > world else f"tp*cp={sc.ranks} does not divide the world size {world}")
     return Variant(label, sc)
 
@@ -177,6 +179,10 @@ def variants(axis: str, base: Scenario, world: int) -> list[Variant]:
         pinned = _pinned(base)
         return [v(base, "one batch", world), v(base, "micro-batch 1", world, samples=pinned[: n // 2]),
                 v(base, "micro-batch 2", world, samples=pinned[n // 2 :])]
+    if axis == "sp":  # the other family's sequence parallelism: ulysses (or the base's sp layout) at sp 2, 4
+        lay = base.layout if base.layout in SP_LAYOUTS else "ulysses"
+        return [v(base, f"sp={p} {lay if p > 1 else 'thd'}", world, cp=1, sp=p, layout=lay if p > 1 else "thd")
+                for p in SP_SIZES]
     raise BadInput(f"unknown invariance axis {axis!r} (axes: {', '.join(AXES)})")
 
 
