@@ -12,7 +12,7 @@ on the response). Inside it, all OpenRLHF's own code from the checkout:
   attention ``get_tensor_in_current_ring_attn_rank``: the stream padded with 0 to a multiple of the
   ring size and cut into contiguous slices, the rank keeping its own;
 - the model: a stand-in that hands back the rank's given logits (``[1, n, V]``) for the slice it is
-  given (it checks that the token ids OpenRLHF hands it are the ring layout's for this rank);
+  given (it checks that the token ids OpenRLHF hands it are the rows its data path laid out);
 - ``output["logits"].to(torch.float32)``, then ``compute_entropy`` on them (``utils.py``, decorated
   ``@torch.compile``: run eagerly, the decorator handed a ``torch`` whose ``compile`` is the identity,
   unless ``--target-opt torch_compile=true``),
@@ -21,6 +21,11 @@ on the response). Inside it, all OpenRLHF's own code from the checkout:
   ``gather_and_pad_tensor`` (all_gather over the ring group, the ring padding cut, ``pad_input``
   back to ``[B, S]``), ``[:, :-1]``, and the action mask. Under ``thd`` and ``bshd`` (below) the
   same, without a group.
+
+The rows are OpenRLHF's own (:class:`OpenRLHFDataPath`, the target's ``data_path``): the harness
+pushes a position-encoded batch through ``unpad_and_slice_tensor`` (ring, thd; bshd: the padded
+batch as it is) and learns from what comes out which (sample, position) each local row holds; the
+logits arrive in those rows.
 
 The ring group is set as OpenRLHF's strategy sets it (``set_ring_attn_group``, the harness's sp
 group). ``update_ring_attn_params`` (it hands ``cu_seqlens`` to ring_flash_attn's attention kernel,
@@ -276,6 +281,66 @@ def _stand_in_model(logits: Any, expected: Any, seen: dict[str, Any]) -> Any:
     return GivenLogits()
 
 
+def right_padded_batch(tokens: Any, lengths: list[int], responses: list[int]) -> tuple[Any, Any, Any]:
+    """The experience maker's batch: prompt + response per sample, right-padded with 0
+    (zero_pad_sequences), the attention mask, and the action mask over positions 1.. (set on the
+    response: ``action_mask[start:end] = 1``, then ``[:, 1:]``)."""
+    import torch
+
+    batch, seqlen = len(lengths), max(lengths)
+    sequences = torch.zeros(batch, seqlen, dtype=torch.long)
+    attention_mask = torch.zeros(batch, seqlen, dtype=torch.long)
+    action_mask = torch.zeros(batch, seqlen - 1, dtype=torch.bool)
+    for i, (row, total, response) in enumerate(zip(tokens, lengths, responses)):
+        sequences[i, :total] = row[:total].cpu()
+        attention_mask[i, :total] = 1
+        action_mask[i, total - response - 1:total - 1] = True
+    return sequences, attention_mask, action_mask
+
+
+PACKED_NAME = f"{RING_FILE}:unpad_and_slice_tensor"
+BSHD_NAME = (f"{ACTOR_FILE}:Actor.forward with packing_samples=False (the experience maker's right-padded batch, "
+             "handed to the model as it is)")
+
+
+class OpenRLHFDataPath:
+    """OpenRLHF's own layout of a rank's rows: under ring and thd, ``unpad_and_slice_tensor``
+    (compiled alone from the checkout: the batch unpadded into one packed stream and, with a ring
+    group, ``get_tensor_in_current_ring_attn_rank``'s pad and contiguous slice); under bshd the
+    right-padded batch itself. The ring group is megatron-core's context-parallel group (the
+    harness's sp group) at sp > 1, set with OpenRLHF's ``set_ring_attn_group`` and put back after;
+    ``update_ring_attn_params`` is the target's recorder."""
+
+    name = PACKED_NAME
+
+    def __init__(self, namespace: Any) -> None:
+        self._namespace = namespace  # the target's compiled functions (its recorder inside)
+
+    def knobs(self) -> dict[str, Any]:
+        return {}
+
+    def builds(self, scenario: Scenario) -> str | None:
+        return None  # ring, thd and bshd: the target's only layouts
+
+    def local_tokens(self, rollout: Any) -> Any:
+        sequences, attention_mask, _ = right_padded_batch(rollout.tokens, rollout.total_lengths,
+                                                          rollout.response_lengths)
+        if rollout.layout == "bshd":  # packing_samples=False: Actor.forward hands the model the batch
+            self.name = BSHD_NAME
+            return sequences
+        self.name = PACKED_NAME
+        from megatron.core import parallel_state as mpu
+
+        ns = self._namespace()
+        group = mpu.get_context_parallel_group() if mpu.get_context_parallel_world_size() > 1 else None
+        before = ns["get_ring_attn_group"]()
+        ns["set_ring_attn_group"](group)  # DeepspeedStrategy.setup_ring_attn
+        try:
+            return ns["unpad_and_slice_tensor"](sequences, attention_mask, group)[0]
+        finally:
+            ns["set_ring_attn_group"](before)
+
+
 class OpenRLHFTarget(CheckoutTarget):
     """OpenRLHF's Actor.forward with packing and ring attention (log-probs and entropy), on its own batch, unpadding, slicing and gather (--openrlhf-src, --target-src or SHARDCHECK_OPENRLHF_SRC)"""
 
@@ -301,6 +366,7 @@ class OpenRLHFTarget(CheckoutTarget):
             rule=self._rule)
         self._ns: dict[str, Any] | None = None
         self.cu_seqlens: list[list[int]] = []
+        self.data_path = OpenRLHFDataPath(self._namespace)
 
     @staticmethod
     def _rule(scenario: Scenario) -> str | None:
@@ -327,7 +393,10 @@ class OpenRLHFTarget(CheckoutTarget):
             "batch": ("each sample prompt + response, right-padded to [B, S] (zero_pad_sequences), action_mask "
                       "[B, S - 1] on the response: what the experience maker builds; each response read out of "
                       "action_log_probs and output.entropy[:, -A:] by the action mask"),
-            "model": "a stand-in handing back the rank's given logits, after checking the token ids OpenRLHF hands it",
+            "data_path": (f"{PACKED_NAME} (ring, thd; with the ring group set, get_tensor_in_current_ring_attn_rank) "
+                          f"and {BSHD_NAME} (bshd): the rows learned through the position trace"),
+            "model": ("a stand-in handing back the rank's given logits, after checking the token ids OpenRLHF hands it "
+                      "are the rows the data path laid out"),
             "ring_group": "set_ring_attn_group(sp group), as DeepspeedStrategy.setup_ring_attn does",
             "update_ring_attn_params": "replaced by a recorder (ring_flash_attn's attention is the model's)",
             "flash_attn": ("installed: its bert_padding, utils.distributed.all_gather and (in log_probs_from_logits) "
@@ -380,25 +449,18 @@ class OpenRLHFTarget(CheckoutTarget):
     # ---- the call ---------------------------------------------------------------------------
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
-        import torch
-
         ns = self._namespace()
         logits = inputs.logits
         device = logits.device
         ring, packed = inputs.layout == "ring", inputs.layout != "bshd"
         group = inputs.sp_group if ring else None
         ns["set_ring_attn_group"](group)  # DeepspeedStrategy.setup_ring_attn
-        lengths, responses = inputs.total_lengths, inputs.response_lengths
-        batch, seqlen = len(lengths), max(lengths)
+        rollout = inputs.rollout  # the real batch its data path laid out (the logits are in its rows)
         # the experience maker's batch: prompt + response per sample, right-padded (pad id 0)
-        sequences = torch.zeros(batch, seqlen, dtype=torch.long)
-        attention_mask = torch.zeros(batch, seqlen, dtype=torch.long)
-        action_mask = torch.zeros(batch, seqlen - 1, dtype=torch.bool)
-        for i, (tokens, total, response) in enumerate(zip(inputs.tokens, lengths, responses)):
-            sequences[i, :total] = tokens[:total]
-            attention_mask[i, :total] = 1
-            action_mask[i, total - response - 1:total - 1] = True  # action_mask[start:end] = 1, then [1:]
-        expected = inputs.row_tokens()
+        sequences, attention_mask, action_mask = right_padded_batch(
+            rollout.tokens, rollout.total_lengths, rollout.response_lengths)
+        batch = len(rollout.total_lengths)
+        expected = inputs.row_tokens()  # the rows the position trace learned from the data path
         seen: dict[str, Any] = {}
         actor = ns["Actor"](_stand_in_model(logits, expected, seen), temperature=inputs.temperature)
         actor.packing_samples = packed  # set only on its str branch (a HF model loaded by name)

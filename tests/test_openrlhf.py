@@ -14,7 +14,7 @@ it, the pin moves and this test changes with it. With SHARDCHECK_OPENRLHF_REPO (
 OpenRLHF's history) an unmerged branch that scales the entropy's logits first is checked to pass
 where the pin fails.
 
-Over 20 s: with a checkout and a history clone, about 15 s on a quiet 2-core machine (two runs on
+Over 20 s: with a checkout and a history clone, about 15 s on a quiet 2-core machine (three runs on
 the session's world and a repro script's own 2-process world), more on a loaded one; without a
 checkout, well under a second.
 """
@@ -177,17 +177,26 @@ def test_the_entropy_at_a_temperature_is_wrong_and_its_gradient_raises(world, tm
         "ring-sp2-t1", "ring-sp2-logprob-bf16", "ring-sp4-padding-rank", "thd-tp1cp1-edges-logprob",
         "bshd-tp1cp1-many-logprob"}
     assert set(verdicts["ring-sp2-temperature"]["kinds"]) == {"value_mismatch", "rank_error", "input_mutated"}
+    # the rows were OpenRLHF's own, learned through the position trace
+    assert {v["layout"]: v["layout_built_by"] for v in ran.values()} == {
+        "ring": openrlhf.PACKED_NAME, "thd": openrlhf.PACKED_NAME, "bshd": openrlhf.BSHD_NAME}
 
 
 @needs_openrlhf
-def test_a_repro_script_finds_the_backward_error(tmp_path):
+@pytest.mark.world
+def test_a_repro_script_finds_the_backward_error(world, tmp_path):
     """shardcheck repro writes a torch-only script for the ring scenario (bf16: the backward error
-    and the entropy, the logits' cast copying them); it finds the error on its own."""
-    from shardcheck.harness.controller.commands.repro import script_text
+    and the entropy, the logits' cast copying them), in the rows OpenRLHF's data path laid out in
+    the run (its report's layouts); it finds the error on its own."""
+    from shardcheck.harness.controller.commands.repro import from_report, script_text
 
     scenario = dataclasses.replace(_scenario("sequence_parallel", "ring-sp2-temperature"), dtype="bfloat16")
+    run_on_world(world, [scenario], "openrlhf", tmp_path / "ring.json", "openrlhf")
+    reported = from_report(str(tmp_path / "ring.json"), scenario.name)
+    assert reported.layouts and {lay["built_by"] for lay in reported.layouts.values()} == {openrlhf.PACKED_NAME}
     script = tmp_path / "repro.py"
-    script.write_text(script_text("openrlhf", target(None, TargetConfig(OPENRLHF_SRC)), scenario, None, script.name))
+    script.write_text(script_text("openrlhf", target(None, TargetConfig(OPENRLHF_SRC)), scenario, None, script.name,
+                                  layouts=reported.layouts))
     ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert ran.returncode == 1 and "modified by an inplace operation" in ran.stdout, (ran.stdout, ran.stderr)
 
