@@ -27,6 +27,12 @@ over the Ulysses group with ``gather_outputs_and_unpad`` (whose backward scales 
 the harness's contract for the sp layouts). The response tokens are cut from the nested outputs by
 ``verl/workers/utils/padding.py::no_padding_2_padding``, as verl's losses do.
 
+The rows are verl's own: the target's data path (:class:`VerlFSDPDataPath`) runs the same
+``prepare_model_inputs`` on the rollout (the position-encoded one, then the real one) and hands
+the harness the ``input_ids`` (and ``position_ids``) it gives this rank's model; the harness
+learns the layout from them (its position trace), and the logits arrive in those rows.
+``--target-opt layout=shardcheck`` keeps the harness's own rows instead.
+
 The Ulysses group is set as the engine's ``EngineTrainModeCtx`` sets it: the previous group saved,
 ``set_ulysses_sequence_parallel_group`` with the rank's sp group (None at sp 1), restored when
 ``compute`` returns (the gather's backward keeps its group in its autograd context).
@@ -58,7 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.base import (Capabilities, Knob, RankInputs, RankOutputs, Rollout, TargetConfig,
+                                     layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutTarget
 from shardcheck.targets.compiled import names_read
 from shardcheck.targets.stub import Stub
@@ -89,6 +96,9 @@ STAND_INS = {"tensordict": "TensorDict, NonTensorData and NonTensorStack are emp
              "transformers": "modeling_outputs.CausalLMOutputWithPast a dataclass of its fields, cache_utils.Cache "
                              "a class"}
 OPTIONS = {
+    "layout": "framework (the default: the rows are learned through the position trace from verl's own "
+              "FSDPEngineWithLMHead.prepare_model_inputs) or shardcheck (the harness's rows, checked against "
+              "what prepare_model_inputs hands the model)",
     "fused_kernels": "verl:fsdp only: torch (use_fused_kernels with the torch backend: the model's forward is verl's "
                      "dense_common.forward_with_torch_backend, FusedLinearForPPO on the harness's logits as the last "
                      "hidden states and an identity LM head) or off (the default: the logits path)",
@@ -215,6 +225,56 @@ class _FusedModel:
         return self._forward(self, **kwargs)
 
 
+class VerlFSDPDataPath:
+    """verl's FSDP engine's own layout: ``prepare_model_inputs`` on the micro-batch verl's data path
+    hands the engine (nested jagged ids and positions), with the Ulysses group set as
+    ``EngineTrainModeCtx`` sets it (megatron's context-parallel group, which under the sp layouts is
+    the harness's sp group; None at sp 1). What it hands the model as ``input_ids`` is this rank's
+    rows: ``[1, T_local]`` packed (thd, ulysses: rolled, padded to a multiple of sp and sliced by
+    ``ulysses_pad_and_slice_inputs``), ``[B, S]`` padded with 0 for bshd (no padding removal)."""
+
+    name = f"{ENGINE_FILE}:FSDPEngineWithLMHead.prepare_model_inputs"
+
+    def __init__(self, target: "VerlFSDPTarget") -> None:
+        self.target = target
+
+    def knobs(self) -> dict[str, Knob]:
+        # pad_to_length / pad_to_length_bucket change the packed rows, but prepare_model_outputs strips
+        # them again only on paths this adapter does not follow: not offered
+        return {}
+
+    def builds(self, scenario: Any) -> str | None:
+        return None  # thd, bshd and ulysses: every layout the target runs
+
+    def _prepare(self, rollout: Rollout) -> dict[str, Any]:
+        import torch
+        from megatron.core import parallel_state as mpu
+
+        sp = mpu.get_context_parallel_world_size() if rollout.layout == "ulysses" else 1
+        group = mpu.get_context_parallel_group() if sp > 1 else None
+        target = self.target
+        engine = target._engine(sp, 0)
+        ulysses = target._mods[ULYSSES_MODULE]
+        micro_batch = target.micro_batch(list(rollout.tokens), rollout.total_lengths, rollout.response_lengths,
+                                         1.0, rollout.layout != "bshd", False)
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        ulysses.set_ulysses_sequence_parallel_group(group)
+        try:
+            with torch.no_grad():
+                model_inputs, _ = engine.prepare_model_inputs(micro_batch=micro_batch)
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
+        return model_inputs
+
+    def local_tokens(self, rollout: Rollout) -> Any:
+        return self._prepare(rollout)["input_ids"]
+
+    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
+        """The position ids verl hands the model, one per local row (bshd: padded with 0)."""
+        position_ids = self._prepare(rollout).get("position_ids")
+        return {} if position_ids is None else {"position_ids": position_ids.reshape(-1)}
+
+
 class VerlFSDPTarget(CheckoutTarget):
     """verl's FSDP engine (FSDPEngineWithLMHead.prepare_model_inputs / prepare_model_outputs, compiled
     alone from verl's file): log-probs and entropy of the rank's Ulysses slice, gathered over the sp group"""
@@ -230,6 +290,7 @@ class VerlFSDPTarget(CheckoutTarget):
             raise BadInput(f"verl at {self.short()} has no FSDP engine to check: {ENGINE_FILE} with "
                            f"{', '.join(f'{c}.{m}' for c, m in METHODS)}")
         self._tree, self._methods = found
+        self.layout_option = layout_option(options, "target 'verl:fsdp': ")
         self.fused = (options or TargetConfig()).get("fused_kernels", "off")
         if self.fused not in ("off", "torch"):
             raise BadInput(f"target 'verl:fsdp': option fused_kernels={self.fused!r}: expected torch or off")
@@ -246,6 +307,7 @@ class VerlFSDPTarget(CheckoutTarget):
         self._engine_cls: Any = None
         self._mods: dict[str, Any] = {}
         self.read_names: list[str] = []
+        self.data_path = VerlFSDPDataPath(self) if self.layout_option == "framework" else None
 
     # -- loading -----------------------------------------------------------------------------
     def forget(self) -> None:
@@ -324,22 +386,22 @@ class VerlFSDPTarget(CheckoutTarget):
         self.checkout.undo_later(undo)
         self.checkout.stubs.append(f"{package} (a stand-in: {STAND_INS[package]})")
 
-    def _engine(self, inputs: RankInputs) -> Any:
+    def _engine(self, sp_size: int, chunk_size: int) -> Any:
         """An engine object holding what ``__init__`` / ``_init_device_mesh`` set that the methods read."""
         from shardcheck.targets.verl import _Config
 
         cls = self._load()
         tf = self._mods["verl.utils.torch_functional"]
         engine = object.__new__(cls)
-        chunking = inputs.chunk_size > 0
+        chunking = chunk_size > 0
         config = _Config(entropy_checkpointing=False, entropy_from_logits_with_chunking=chunking,
-                         entropy_from_logits_chunk_size=inputs.chunk_size if chunking else 2048,
+                         entropy_from_logits_chunk_size=chunk_size if chunking else 2048,
                          use_torch_compile=True, pad_to_length=False, pad_to_length_bucket=None,
-                         ulysses_sequence_parallel_size=inputs.sp_size)
+                         ulysses_sequence_parallel_size=sp_size)
         engine.engine_config = config
         engine.module = _Module()
-        engine.ulysses_sequence_parallel_size = inputs.sp_size
-        engine.use_ulysses_sp = inputs.sp_size > 1
+        engine.ulysses_sequence_parallel_size = sp_size
+        engine.use_ulysses_sp = sp_size > 1
         engine.pad_to_length, engine.pad_to_length_bucket = config.pad_to_length, config.pad_to_length_bucket
         # as __init__ picks it (torch.compile runs eagerly: the checkout's torch._dynamo is disabled)
         import torch
@@ -350,7 +412,9 @@ class VerlFSDPTarget(CheckoutTarget):
 
     # -- the report -----------------------------------------------------------------------------
     def description(self) -> dict[str, Any]:
-        return {"fused_kernels": self.fused, "calls": (f"{ENGINE_FILE}: FSDPEngineWithLMHead.prepare_model_inputs, the harness's logits as the "
+        return {"fused_kernels": self.fused,
+                "data_path": layout_description(self.data_path, self.layout_option, "layout=shardcheck"),
+                "calls": (f"{ENGINE_FILE}: FSDPEngineWithLMHead.prepare_model_inputs, the harness's logits as the "
                           "model's output, prepare_model_outputs (under forward_step's autocast); responses cut by "
                           f"{PADDING_FILE}::no_padding_2_padding"),
                 "compiled_alone": [f"{c}.{m}" for c, m in METHODS],
@@ -372,25 +436,18 @@ class VerlFSDPTarget(CheckoutTarget):
 
         if inputs.tp_size != 1:
             raise ValueError(f"verl:fsdp runs at tp 1 only, got tp {inputs.tp_size}")
-        engine = self._engine(inputs)
+        engine = self._engine(inputs.sp_size, inputs.chunk_size)
         ulysses = self._mods[ULYSSES_MODULE]
         padding = self._mods[PADDING_MODULE]
         logits = inputs.logits
         device = logits.device
+        # the real rollout the data path laid out (the harness's tokens with layout=shardcheck)
+        source = inputs.rollout.tokens if inputs.rollout is not None else inputs.tokens
         lengths, responses = inputs.total_lengths, inputs.response_lengths
-        tokens = [t[:n].to(device) for t, n in zip(inputs.tokens, lengths)]
+        tokens = [t[:n].to(device) for t, n in zip(source, lengths)]
         nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
-        rmpad = inputs.layout != "bshd"
-        calculate_entropy = bool(inputs.with_entropy)
-        # the response mask as verl's batch holds it (right-padded to the longest response), which
-        # left_right_2_no_padding also hands on as loss_mask
-        response_mask = torch.nn.utils.rnn.pad_sequence(
-            [torch.ones(r, dtype=torch.int64, device=device) for r in responses], batch_first=True)
-        micro_batch = _MicroBatch(
-            len(tokens), input_ids=nested(tokens), response_mask=response_mask, loss_mask=response_mask,
-            position_ids=nested([torch.arange(n, device=device) for n in lengths]),
-            temperature=inputs.temperature, use_remove_padding=rmpad, calculate_entropy=calculate_entropy,
-            use_fused_kernels=self.fused != "off")
+        micro_batch = self.micro_batch(tokens, lengths, responses, inputs.temperature, inputs.layout != "bshd",
+                                       bool(inputs.with_entropy))
         group = inputs.sp_group if inputs.sp_size > 1 else None
         if group is not None and dist.get_rank(group=group) != inputs.sp_rank:
             raise RuntimeError(f"shardcheck's verl:fsdp adapter: sp rank {inputs.sp_rank} is rank "
@@ -401,6 +458,8 @@ class VerlFSDPTarget(CheckoutTarget):
             if self.fused != "off":  # the model verl's monkey patch makes: its forward is verl's
                 engine.module = _FusedModel(self._mods[DENSE_MODULE].forward_with_torch_backend, logits)
             model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
+            # the rows the logits arrive in (the ones the position trace learned from this same method,
+            # or the harness's with layout=shardcheck) must be what the engine hands the model
             inputs.check_model_tokens(model_inputs["input_ids"], "shardcheck's verl:fsdp adapter: verl's engine")
             self._check_mask(lengths, model_inputs.get("attention_mask"))
             dtype = logits.dtype
@@ -424,6 +483,24 @@ class VerlFSDPTarget(CheckoutTarget):
                 padded = padding.no_padding_2_padding(model_output[key], data)
                 out[key] = [padded[i, :r] for i, r in enumerate(responses)]
         return RankOutputs(out["log_probs"], out.get("entropy"))
+
+    def micro_batch(self, tokens: list[Any], lengths: list[int], responses: list[int], temperature: float,
+                    rmpad: bool, calculate_entropy: bool) -> "_MicroBatch":
+        """The micro-batch verl's data path hands the engine (the TensorDict's keys): nested jagged
+        ids and positions, the response mask right-padded to the longest response (which
+        left_right_2_no_padding also hands on as loss_mask), the scalar temperature, the flags."""
+        import torch
+
+        device = tokens[0].device
+        tokens = [t[:n] for t, n in zip(tokens, lengths)]
+        nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+        response_mask = torch.nn.utils.rnn.pad_sequence(
+            [torch.ones(r, dtype=torch.int64, device=device) for r in responses], batch_first=True)
+        return _MicroBatch(
+            len(tokens), input_ids=nested(tokens), response_mask=response_mask, loss_mask=response_mask,
+            position_ids=nested([torch.arange(n, device=device) for n in lengths]),
+            temperature=temperature, use_remove_padding=rmpad, calculate_entropy=calculate_entropy,
+            use_fused_kernels=self.fused != "off")
 
     @staticmethod
     def _check_mask(lengths: list[int], mask: Any) -> None:

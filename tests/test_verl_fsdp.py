@@ -80,6 +80,9 @@ def test_the_fsdp_engine_matches_the_reference_under_ulysses(world, tmp_path):
     assert {"ulysses-sp2-padded", "ulysses-sp4-padding-rank", "ulysses-sp2-exact", "bshd-chunks-temp",
             "ulysses-sp2-chunks-temp", "thd-tp1cp1-basic-logprob", "bshd-tp1cp1-basic-logprob"} <= passed
     assert "vocab-parallel" in verdicts["ulysses-tp2-sp2-chunks"]["reason"]
+    # the rows were learned through the position trace from verl's own prepare_model_inputs
+    assert {verdicts[n].get("layout_built_by") for n in passed} == {
+        f"{ENGINE_FILE}:FSDPEngineWithLMHead.prepare_model_inputs"}, run.stdout[-2000:]
     assert run.report["target"]["name"] == "verl:fsdp" and run.report["target"]["src"] == str(Path(VERL_SRC).resolve())
     # coverage on one scenario (it costs seconds a scenario): sp 2, chunked entropy
     covered = run_on_world(world, [Scenario.from_dict(EXTRA[0])], SPEC, tmp_path / "c.json", "verl-fsdp",
