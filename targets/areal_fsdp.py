@@ -43,6 +43,13 @@ harness's ``ulysses`` layout pads the packed sequence only to a multiple of sp, 
 AReaL's Ulysses pad does; AReaL's page pad (``pad_mb_list``, to a multiple of 256 tokens) is not
 applied (it would make every power-of-two sp's Ulysses pad 0).
 
+The rows are AReaL's own: the target's data path (:class:`ArealFSDPDataPath`) runs the same
+``_prepare_mb_inputs`` on the rollout (the position-encoded one, then the real one), with the
+Ulysses group set from megatron's CP group (the harness's sp group) and restored, and hands the
+harness the ``input_ids`` (and ``position_ids``) it gives this rank's model; the harness learns
+the layout from them (its position trace), and the logits arrive in those rows. The inline era
+has no such function (its slicing is inline in ``forward``): there the harness lays the rows out.
+
 The engine object is not built (its ``__init__`` and ``initialize`` build the model, the optimizer
 and the device mesh): the methods run on an object holding what they read: ``parallel_helper``
 (sp_size, tp_size, tp_group, dp_size), ``sp_group``, ``config`` (temperature, is_critic False),
@@ -89,7 +96,8 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.areal import ENTRY_POINTS, FRAMEWORK, VOCAB_PARALLEL_FILE, _closure, _ranks_on_nccl
-from shardcheck.targets.base import Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.base import (Capabilities, Definitions, Knob, RankInputs, RankOutputs, Rollout,
+                                     TargetConfig, layout_description)
 from shardcheck.targets.checkout import CheckoutTarget
 from shardcheck.targets.compiled import _not_loaded, compile_alone, names_read
 from shardcheck.targets.source import functions_named, parameters
@@ -216,6 +224,62 @@ def engine_tree(src: Path) -> tuple[ast.Module, dict[str, ast.AST]] | None:
     return tree, found
 
 
+INLINE_LAYOUT_WHY = ("before 0369627d4 AReaL's FSDP engine slices the rows inline in FSDPEngine.forward, between "
+                     "prepare_mb_list and the model call (no function of its own to run alone): the harness lays "
+                     "out the rows (its ulysses layout) and checks them against the ids forward hands the model")
+
+
+class ArealFSDPDataPath:
+    """AReaL's FSDP engine's own layout: ``_prepare_mb_inputs`` (compiled alone) on the micro-batch
+    ``compute`` builds (packed ``[1, T]``, positions restarting at each sample), with the Ulysses
+    group set as ``_ensure_ready`` sets it (megatron's context-parallel group, which under the sp
+    layouts is the harness's sp group; none at sp 1) and restored. What it hands the model as
+    ``input_ids`` is this rank's rows: ``[1, T]`` packed (thd), or padded to a multiple of sp and
+    sliced by ``ulysses_pad_and_slice_inputs`` (ulysses). The inline era has no such function:
+    ``builds`` says so and the harness lays the rows out."""
+
+    name = f"{ENGINE_FILE}:{CLASS}._prepare_mb_inputs"
+
+    def __init__(self, target: "ArealFSDPTarget") -> None:
+        self.target = target
+
+    def knobs(self) -> dict[str, Knob]:
+        return {}  # AReaL's page pad (pad_mb_list) is _prepare_mb_list's, not run: no knob
+
+    def builds(self, scenario: Any) -> str | None:
+        return INLINE_LAYOUT_WHY if self.target.era.kind == "inline" else None
+
+    def _prepare(self, rollout: Rollout) -> dict[str, Any]:
+        import torch
+        from megatron.core import parallel_state as mpu
+
+        target = self.target
+        sp = mpu.get_context_parallel_world_size() if rollout.layout == "ulysses" else 1
+        group = mpu.get_context_parallel_group() if sp > 1 else None
+        engine = target._engine(sp, 1, None, group, 1.0)
+        ulysses = target._ulysses
+        mb_item, _ = target.micro_batch(list(rollout.tokens), list(rollout.total_lengths),
+                                        list(rollout.response_lengths), rollout.tokens[0].device)
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        if group is not None:
+            ulysses.set_ulysses_sequence_parallel_group(group)
+        try:
+            with torch.no_grad():
+                model_inputs, _ = engine._prepare_mb_inputs(mb_item)
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
+        return model_inputs
+
+    def local_tokens(self, rollout: Rollout) -> Any:
+        return self._prepare(rollout)["input_ids"]
+
+    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
+        """The position ids AReaL hands the model, one per local row (its Ulysses pad's rows hold
+        0, 1, ...: padding, not checked)."""
+        position_ids = self._prepare(rollout).get("position_ids")
+        return {} if position_ids is None else {"position_ids": position_ids.reshape(-1)}
+
+
 # AReaL, its checkout recognised by the FSDP engine's file (the areal target's marker, the Megatron
 # engine, came later than the FSDP engine's Ulysses SP)
 FSDP_FRAMEWORK = dataclasses.replace(FRAMEWORK, marker=str(ENGINE_FILE))
@@ -274,6 +338,7 @@ class ArealFSDPTarget(CheckoutTarget):
         self._actor_cls: Any = None
         self._ulysses: Any = None
         self.read_names: list[str] = []
+        self.data_path = ArealFSDPDataPath(self)
 
     @staticmethod
     def _rule(scenario: Scenario) -> str | None:
@@ -374,14 +439,13 @@ class ArealFSDPTarget(CheckoutTarget):
         self._engine_cls = vars(holder)[CLASS]
         return self._engine_cls
 
-    def _engine(self, inputs: RankInputs) -> Any:
+    def _engine(self, sp_size: int, tp_size: int, tp_group: Any, sp_group: Any, temperature: float) -> Any:
         """An engine object holding what ``__init__`` / ``create_process_group`` set that the methods read."""
         engine = object.__new__(self._load())
         engine.parallel_helper = types.SimpleNamespace(
-            sp_size=inputs.sp_size, tp_size=inputs.tp_size, dp_size=1,
-            tp_group=inputs.tp_group if inputs.tp_size > 1 else None)
-        engine.sp_group = inputs.sp_group if inputs.sp_size > 1 else None
-        engine.config = types.SimpleNamespace(temperature=inputs.temperature, is_critic=False)
+            sp_size=sp_size, tp_size=tp_size, dp_size=1, tp_group=tp_group if tp_size > 1 else None)
+        engine.sp_group = sp_group if sp_size > 1 else None
+        engine.config = types.SimpleNamespace(temperature=temperature, is_critic=False)
         engine.is_vision_model = False
         engine.enable_tree_training = False
         return engine
@@ -390,6 +454,7 @@ class ArealFSDPTarget(CheckoutTarget):
     def description(self) -> dict[str, Any]:
         if self.era.kind == "inline":
             return {"path": self.path,
+                    "data_path": layout_description(None, "framework", INLINE_LAYOUT_WHY),
                     "calls": f"{ACTOR_FILE}: PPOActor.compute_logp(batch, temperature) -> {ENGINE_FILE}: "
                              f"{CLASS}.forward (post_hook calc_logprobs: gather_logprobs on the logits gathered over "
                              "the sp group), each compiled alone from its file; @torch.no_grad() dropped (the "
@@ -409,7 +474,8 @@ class ArealFSDPTarget(CheckoutTarget):
                  "forward": "_prepare_mb_inputs, the harness's logits as the model's (squeeze(0)), "
                             "_compute_forward_result -> _compute_logprobs (gather_logprobs, _sp_all_gather, "
                             "[:-ulysses_pad_size]), [:-pad_length]"}[self.path]
-        return {"path": self.path, "calls": f"{ENGINE_FILE}: {CLASS}: {calls}",
+        return {"path": self.path, "data_path": layout_description(self.data_path, "framework", ""),
+                "calls": f"{ENGINE_FILE}: {CLASS}: {calls}",
                 "compiled_alone": [f"{CLASS}.{m}" for m in METHODS] + [CONTEXT],
                 "names_bound_from_the_engine_file's_imports": self.read_names,
                 "off_path": list(OFF_PATH),
@@ -448,21 +514,15 @@ class ArealFSDPTarget(CheckoutTarget):
         import torch
         import torch.distributed as dist
 
-        engine = self._engine(inputs)
+        engine = self._engine(inputs.sp_size, inputs.tp_size, inputs.tp_group, inputs.sp_group, inputs.temperature)
         ulysses = self._ulysses
         logits = inputs.logits
         device = logits.device
         lengths, responses = list(inputs.total_lengths), list(inputs.response_lengths)
-        ids = torch.cat([t[:n] for t, n in zip(inputs.tokens, lengths)]).to(device).unsqueeze(0)
-        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
-        loss_mask = torch.cat([torch.cat([torch.zeros(n - r, dtype=torch.bool, device=device),
-                                          torch.ones(r, dtype=torch.bool, device=device)])
-                               for n, r in zip(lengths, responses)]).unsqueeze(0)
-        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
-        mb = {"input_ids": ids, "position_ids": position_ids, "loss_mask": loss_mask, "cu_seqlens": cu,
-              "max_seqlen": max(lengths), "use_cache": False}
-        mb_item = types.SimpleNamespace(orig_mb=dict(mb), padded_mb=dict(mb), padding_length=0, old_cu_seqlens=None,
-                                        padded_to_length=None)
+        # the real rollout the data path laid out (the harness's tokens where it laid none out)
+        source = inputs.rollout.tokens if inputs.rollout is not None else inputs.tokens
+        mb_item, mb = self.micro_batch(list(source), lengths, responses, device)
+        cu = mb["cu_seqlens"]
         group = engine.sp_group
         if group is not None and dist.get_rank(group=group) != inputs.sp_rank:
             raise RuntimeError(f"shardcheck's areal:fsdp adapter: sp rank {inputs.sp_rank} is rank "
@@ -472,6 +532,8 @@ class ArealFSDPTarget(CheckoutTarget):
             ulysses.set_ulysses_sequence_parallel_group(group)
         try:
             model_inputs, ctx = engine._prepare_mb_inputs(mb_item)
+            # the rows the logits arrive in (the ones the position trace learned from this same method)
+            # must be what the engine hands the model
             inputs.check_model_tokens(model_inputs["input_ids"], "shardcheck's areal:fsdp adapter: AReaL's engine")
             local = logits.squeeze(0)  # forward_backward_batch: outputs.logits.squeeze(0)
             seen: dict[str, Any] = {}
@@ -499,6 +561,25 @@ class ArealFSDPTarget(CheckoutTarget):
             kept = entropy if inputs.entropy_coef else entropy.detach()
             ent = [kept[p] for p in picks]
         return RankOutputs([logprobs[p] for p in picks], ent)
+
+    @staticmethod
+    def micro_batch(tokens: list[Any], lengths: list[int], responses: list[int], device: Any) -> tuple[Any, dict]:
+        """The micro-batch as ``_prepare_mb_list`` hands it (``MicroBatchItem``'s fields read) and
+        its dict: the samples packed ``[1, T]``, positions restarting at each sample, ``loss_mask``
+        over the responses, ``cu_seqlens``, ``max_seqlen``; ``padding_length`` 0."""
+        import torch
+
+        ids = torch.cat([t[:n] for t, n in zip(tokens, lengths)]).to(device).unsqueeze(0)
+        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
+        loss_mask = torch.cat([torch.cat([torch.zeros(n - r, dtype=torch.bool, device=device),
+                                          torch.ones(r, dtype=torch.bool, device=device)])
+                               for n, r in zip(lengths, responses)]).unsqueeze(0)
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        mb = {"input_ids": ids, "position_ids": position_ids, "loss_mask": loss_mask, "cu_seqlens": cu,
+              "max_seqlen": max(lengths), "use_cache": False}
+        mb_item = types.SimpleNamespace(orig_mb=dict(mb), padded_mb=dict(mb), padding_length=0, old_cu_seqlens=None,
+                                        padded_to_length=None)
+        return mb_item, mb
 
     # -- the inline era ------------------------------------------------------------------------
     def _load_inline(self) -> Any:

@@ -98,6 +98,8 @@ def test_the_fsdp_engine_matches_the_reference_under_ulysses_and_tp(world, world
             "thd-tp4cp1-basic-logprob"} <= passed
     assert "_AlltoAll" in verdicts["ulysses-tp2-sp2-chunks"]["reason"]
     assert "packs every micro-batch" in verdicts["bshd-tp1cp1-basic-logprob"]["reason"]
+    # the rows were learned through the position trace from AReaL's own _prepare_mb_inputs
+    assert {verdicts[n].get("layout_built_by") for n in passed} == {f"{ENGINE_FILE}:{CLASS}._prepare_mb_inputs"}
     report = runs[0].report["target"]
     assert report["name"] == "areal:fsdp" and report["src"] == str(Path(AREAL_SRC).resolve())
     assert {"gather_logprobs_entropy", "ulysses_prepare_inputs", "dist_F"} <= set(
