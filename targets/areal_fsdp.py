@@ -98,10 +98,9 @@ from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.areal import ENTRY_POINTS, FRAMEWORK, VOCAB_PARALLEL_FILE, _closure, _ranks_on_nccl
 from shardcheck.targets.base import (Capabilities, Definitions, Knob, RankInputs, RankOutputs, Rollout,
                                      TargetConfig, layout_description)
-from shardcheck.targets.checkout import CheckoutTarget
-from shardcheck.targets.compiled import _not_loaded, compile_alone, names_read
+from shardcheck.targets.checkout import CheckoutTarget, PreparedInputsPath
+from shardcheck.targets.compiled import _not_loaded, compile_alone, module_imports, names_read
 from shardcheck.targets.source import functions_named, parameters
-from shardcheck.targets.verl_fsdp import _imports
 
 ENGINE_FILE = Path("areal/engine/fsdp_engine.py")
 ENGINE_PACKAGE = "areal.engine"
@@ -229,7 +228,7 @@ INLINE_LAYOUT_WHY = ("before 0369627d4 AReaL's FSDP engine slices the rows inlin
                      "out the rows (its ulysses layout) and checks them against the ids forward hands the model")
 
 
-class ArealFSDPDataPath:
+class ArealFSDPDataPath(PreparedInputsPath):
     """AReaL's FSDP engine's own layout: ``_prepare_mb_inputs`` (compiled alone) on the micro-batch
     ``compute`` builds (packed ``[1, T]``, positions restarting at each sample), with the Ulysses
     group set as ``_ensure_ready`` sets it (megatron's context-parallel group, which under the sp
@@ -241,6 +240,7 @@ class ArealFSDPDataPath:
     name = f"{ENGINE_FILE}:{CLASS}._prepare_mb_inputs"
 
     def __init__(self, target: "ArealFSDPTarget") -> None:
+        super().__init__()
         self.target = target
 
     def knobs(self) -> dict[str, Knob]:
@@ -249,7 +249,7 @@ class ArealFSDPDataPath:
     def builds(self, scenario: Any) -> str | None:
         return INLINE_LAYOUT_WHY if self.target.era.kind == "inline" else None
 
-    def _prepare(self, rollout: Rollout) -> dict[str, Any]:
+    def prepare(self, rollout: Rollout) -> dict[str, Any]:
         import torch
         from megatron.core import parallel_state as mpu
 
@@ -269,15 +269,6 @@ class ArealFSDPDataPath:
         finally:
             ulysses.set_ulysses_sequence_parallel_group(previous)
         return model_inputs
-
-    def local_tokens(self, rollout: Rollout) -> Any:
-        return self._prepare(rollout)["input_ids"]
-
-    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
-        """The position ids AReaL hands the model, one per local row (its Ulysses pad's rows hold
-        0, 1, ...: padding, not checked)."""
-        position_ids = self._prepare(rollout).get("position_ids")
-        return {} if position_ids is None else {"position_ids": position_ids.reshape(-1)}
 
 
 # AReaL, its checkout recognised by the FSDP engine's file (the areal target's marker, the Megatron
@@ -392,7 +383,7 @@ class ArealFSDPTarget(CheckoutTarget):
             reads |= names_read(child)
         reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()}
         reads -= set(dir(builtins)) | {CONTEXT, CLASS, "annotations"}
-        imports = _imports(self._tree, ENGINE_PACKAGE)
+        imports = module_imports(self._tree, ENGINE_PACKAGE)
         unknown = sorted(n for n in reads if n not in imports)
         if unknown:
             raise BadInput(f"AReaL at {self.short()}: the FSDP engine's methods read {', '.join(unknown)}, which "
@@ -632,7 +623,7 @@ class ArealFSDPTarget(CheckoutTarget):
         other name refuses the checkout in one line."""
         import importlib
 
-        imports = _imports(tree, package)
+        imports = module_imports(tree, package)
         given: dict[str, Any] = {}
         compiled = {"areal.utils.data": DATA_FILE, "areal.utils.functional": OLD_FUNCTIONAL_FILE}
         for name in sorted(reads):

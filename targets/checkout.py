@@ -13,6 +13,7 @@ lists.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import importlib
 import importlib.abc
@@ -244,3 +245,30 @@ class CheckoutFactory:
             raise BadInput(f"target {self.framework.name!r} has no variant {variant!r} "
                            f"(known: {', '.join(sorted(self.variants)) or 'none'})")
         return self._build(variant, config if config is not None else TargetConfig())
+
+
+class PreparedInputsPath(abc.ABC):
+    """A framework's data path whose one call gives what its model is handed on this rank
+    (:meth:`prepare`: a dict with ``input_ids``, and ``position_ids`` where it hands them): the
+    tokens and the model inputs the harness asks of one rollout come from a single call."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, dict[str, Any]] | None = None
+
+    @abc.abstractmethod
+    def prepare(self, rollout: Any) -> dict[str, Any]:
+        """The framework's own code on ``rollout``: what this rank's model is handed."""
+
+    def _prepared(self, rollout: Any) -> dict[str, Any]:
+        if self._last is None or self._last[0] is not rollout:
+            self._last = (rollout, self.prepare(rollout))
+        return self._last[1]
+
+    def local_tokens(self, rollout: Any) -> Any:
+        return self._prepared(rollout)["input_ids"]
+
+    def model_inputs(self, rollout: Any) -> dict[str, Any]:
+        """The position ids the framework hands the model, one per local row (its padding rows are
+        padding to the harness, whatever they hold)."""
+        position_ids = self._prepared(rollout).get("position_ids")
+        return {} if position_ids is None else {"position_ids": position_ids.reshape(-1)}

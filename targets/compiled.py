@@ -30,6 +30,24 @@ def names_read(table: symtable.SymbolTable) -> set[str]:
     return out
 
 
+def module_imports(tree: ast.Module, package: str) -> dict[str, tuple[str, str | None]]:
+    """A file's module-level imports, as its definitions see them: name -> (module, attribute, or
+    None for the module itself); ``package`` resolves relative imports."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = (a.name if a.asname else a.name.split(".")[0], None)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                out[a.asname or a.name] = (base, a.name)
+    return out
+
+
 def _not_loaded(name: str, path: Path) -> Any:
     def absent(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"shardcheck did not load {name} (read by {path.name}): this path was not expected "

@@ -50,7 +50,7 @@ import torch
 
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout, positive_int, positive_int_or_none
-from shardcheck.targets.compiled import compile_alone, with_newer_fields
+from shardcheck.targets.compiled import compile_alone, module_imports, with_newer_fields
 
 DATA_FILE = Path("nemo_rl/models/megatron/data.py")
 COMMON_FILE = Path("nemo_rl/models/megatron/common.py")
@@ -426,23 +426,6 @@ WORKER_CLASS = "DTensorPolicyWorker"
 PARALLELIZE_FILE = Path("nemo_rl/models/dtensor/parallelize.py")  # get_logprobs_from_vocab_parallel_logits before e861b94dd
 
 
-def _imports(tree: ast.Module, package: str) -> dict[str, tuple[str, str | None]]:
-    """A file's module-level imports: name -> (module, attribute or None for the module)."""
-    out: dict[str, tuple[str, str | None]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                out[a.asname or a.name.split(".")[0]] = (a.name if a.asname else a.name.split(".")[0], None)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            for a in node.names:
-                out[a.asname or a.name] = (base, a.name)
-    return out
-
-
 def _self_calls(node: ast.AST) -> set[str]:
     """The ``self.NAME(...)`` methods ``node`` calls."""
     return {n.func.attr for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
@@ -552,7 +535,7 @@ class DTensorWorkerLines:
             reads |= names_read(child)
         reads -= set(dir(builtins))
         package = ".".join(self.file.with_suffix("").parts[:-1])
-        imports = _imports(self._tree, package)
+        imports = module_imports(self._tree, package)
         unknown = sorted(n for n in reads if n not in imports)
         if unknown:
             raise LookupError(f"{self.file}: the worker's lines read {', '.join(unknown)}, which the file does not "
@@ -570,7 +553,7 @@ class DTensorWorkerLines:
                         raise
                     rel = Path(*mod_name.split(".")).with_suffix(".py")
                     mod_tree = ast.parse((self.src / rel).read_text())
-                    inner = _imports(mod_tree, mod_name.rpartition(".")[0])
+                    inner = module_imports(mod_tree, mod_name.rpartition(".")[0])
                     ns = compile_alone(self.src / rel, [attr], {n: importlib.import_module(m) if a is None else
                                                                 getattr(importlib.import_module(m), a)
                                                                 for n, (m, a) in inner.items()

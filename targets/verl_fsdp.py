@@ -66,8 +66,8 @@ from typing import Any
 from shardcheck.errors import BadInput
 from shardcheck.targets.base import (Capabilities, Knob, RankInputs, RankOutputs, Rollout, TargetConfig,
                                      layout_description, layout_option)
-from shardcheck.targets.checkout import CheckoutTarget
-from shardcheck.targets.compiled import names_read
+from shardcheck.targets.checkout import CheckoutTarget, PreparedInputsPath
+from shardcheck.targets.compiled import module_imports, names_read
 from shardcheck.targets.stub import Stub
 from shardcheck.targets.verl import FRAMEWORK, REPLAY_WHY
 
@@ -140,26 +140,6 @@ def _tensordict_stand_in() -> dict[str, types.ModuleType]:
     return {"tensordict": top, "tensordict.tensorclass": sub}
 
 
-def _imports(tree: ast.Module, package: str) -> dict[str, tuple[str, str | None]]:
-    """The engine file's module-level imports: name -> (module, attribute or None for the module)."""
-    out: dict[str, tuple[str, str | None]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                if a.asname:
-                    out[a.asname] = (a.name, None)
-                else:
-                    out[a.name.split(".")[0]] = (a.name.split(".")[0], None)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            for a in node.names:
-                out[a.asname or a.name] = (base, a.name)
-    return out
-
-
 def engine_methods(src: Path) -> tuple[ast.Module, dict[str, ast.FunctionDef]] | None:
     """The engine file and the methods of :data:`METHODS` (and the :data:`HELPERS` the commit has)
     in it; None where the file or one of :data:`METHODS` is missing (an era before the FSDP engine)."""
@@ -225,7 +205,7 @@ class _FusedModel:
         return self._forward(self, **kwargs)
 
 
-class VerlFSDPDataPath:
+class VerlFSDPDataPath(PreparedInputsPath):
     """verl's FSDP engine's own layout: ``prepare_model_inputs`` on the micro-batch verl's data path
     hands the engine (nested jagged ids and positions), with the Ulysses group set as
     ``EngineTrainModeCtx`` sets it (megatron's context-parallel group, which under the sp layouts is
@@ -236,6 +216,7 @@ class VerlFSDPDataPath:
     name = f"{ENGINE_FILE}:FSDPEngineWithLMHead.prepare_model_inputs"
 
     def __init__(self, target: "VerlFSDPTarget") -> None:
+        super().__init__()
         self.target = target
 
     def knobs(self) -> dict[str, Knob]:
@@ -246,7 +227,7 @@ class VerlFSDPDataPath:
     def builds(self, scenario: Any) -> str | None:
         return None  # thd, bshd and ulysses: every layout the target runs
 
-    def _prepare(self, rollout: Rollout) -> dict[str, Any]:
+    def prepare(self, rollout: Rollout) -> dict[str, Any]:
         import torch
         from megatron.core import parallel_state as mpu
 
@@ -265,14 +246,6 @@ class VerlFSDPDataPath:
         finally:
             ulysses.set_ulysses_sequence_parallel_group(previous)
         return model_inputs
-
-    def local_tokens(self, rollout: Rollout) -> Any:
-        return self._prepare(rollout)["input_ids"]
-
-    def model_inputs(self, rollout: Rollout) -> dict[str, Any]:
-        """The position ids verl hands the model, one per local row (bshd: padded with 0)."""
-        position_ids = self._prepare(rollout).get("position_ids")
-        return {} if position_ids is None else {"position_ids": position_ids.reshape(-1)}
 
 
 class VerlFSDPTarget(CheckoutTarget):
@@ -337,7 +310,7 @@ class VerlFSDPTarget(CheckoutTarget):
         import builtins
 
         reads -= set(dir(builtins))
-        imports = _imports(self._tree, ENGINE_PACKAGE)
+        imports = module_imports(self._tree, ENGINE_PACKAGE)
         unknown = sorted(n for n in reads if n not in imports)
         if unknown:
             raise BadInput(f"verl at {self.short()}: the FSDP engine's methods read {', '.join(unknown)}, which "
