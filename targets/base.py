@@ -26,11 +26,11 @@ its framework splits the global batch (None where its commit has no splitter of 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -38,6 +38,8 @@ from shardcheck.run_config import OPTS_ENV, SRC_ENV, RunConfig, active, environm
 from shardcheck.scenarios.data import OBJECTIVES
 from shardcheck.scenarios.layout import local_held_rows, local_row_targets, local_share_rows
 from shardcheck.scenarios.scenario import DTYPES, MEGATRON_LAYOUTS, Scenario
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -500,6 +502,24 @@ class RankInputs:
     sp_group: Any = None
     sp_rank: int = 0
     sp_size: int = 1
+    # the harness's owner of process groups (its ``framework_groups``), through which a target has
+    # its framework's own code build the framework's groups once per world: see framework_groups
+    world: Any = None
+
+    def framework_groups(self, key: Hashable, build: Callable[[], T],
+                         roles: Callable[[T], Mapping[str, Any]]) -> T:
+        """What ``build()`` returns: the framework's own code building its process groups (its
+        ``init_device_mesh``), run by every rank of the world the first time a key is asked for
+        in a layout and kept for the world's life (group creation is collective: every rank asks
+        with the same key, at the same point of ``compute``). ``roles(built)`` names the groups
+        the framework calls collectives in ("sp", "tp", "dp", "cp", "dp_cp", "world"); the
+        harness checks that each holds the ranks its own group of that role holds, refusing the
+        world alike on every rank otherwise (the harness's error, never the target's finding),
+        and the trace labels them by their role. Without a harness (a RankInputs built by hand)
+        ``build()`` is simply called."""
+        if self.world is None:
+            return build()
+        return self.world.framework_groups(key, build, roles)
 
     def row_labels(self) -> torch.Tensor:
         """The next token each local logit row predicts, rows flattened (``logits.view(-1, V/tp)``;

@@ -10,7 +10,9 @@ function per chunk (over TP: the row max and the target logit by all-reduce, the
 depend on the rows around it); per-sample extraction for thd, bshd,
 zigzag CP; for all-gather CP, each rank's contiguous slice of every response is redistributed into
 zigzag shares by one differentiable all-reduce per result key. Under Ulysses sequence
-parallelism (sp), as verl's FSDP engine does it: the packed tokens rolled by one, padded to a
+parallelism (sp), as verl's FSDP engine does it: its sp group from a DeviceMesh (dp, sp, tp) it
+builds with torch's ``init_device_mesh``, as the FSDP frameworks build theirs, once per world (the
+harness's ``framework_groups``); the packed tokens rolled by one, padded to a
 multiple of sp and sliced as the logits are; each rank's per-row results, their padding removed,
 gathered over the sp group by one all-to-all (uneven splits; its backward the transposed
 all-to-all, summed); each response counted from the end of its sample, the samples from the end of
@@ -251,7 +253,21 @@ class BuiltinTarget(TargetBase):
 
     def ulysses_gather(self, value: torch.Tensor, inputs: RankInputs, counts: list[int]) -> torch.Tensor:
         """Every rank's real rows, in sequence order, on every rank (padding removed first)."""
-        return _GatherUnpadded.apply(value[:counts[inputs.sp_rank]], counts, inputs.sp_group, self)
+        return _GatherUnpadded.apply(value[:counts[inputs.sp_rank]], counts, self.sp_group(inputs), self)
+
+    def sp_group(self, inputs: RankInputs) -> Any:
+        """The sp group of its own DeviceMesh (dp, sp, tp), built by ``init_device_mesh`` once per
+        world as the FSDP frameworks build theirs; the given sp group outside a harness."""
+        if inputs.world is None:
+            return inputs.sp_group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (dist.get_world_size() // (inputs.sp_size * inputs.tp_size), inputs.sp_size, inputs.tp_size)
+        mesh = inputs.framework_groups(
+            ("builtin", shape),
+            lambda: init_device_mesh(inputs.logits.device.type, shape, mesh_dim_names=("dp", "sp", "tp")),
+            lambda m: {name: m[name].get_group() for name in ("dp", "sp", "tp")})
+        return mesh["sp"].get_group()
 
     def contribution(self, value: torch.Tensor, before: int, response: int) -> torch.Tensor:
         """A sample's full-response vector holding this rank's all-gather slice (zeros elsewhere)."""
@@ -281,6 +297,7 @@ class BuiltinTarget(TargetBase):
     def ulysses(self, rows: torch.Tensor, inputs: RankInputs) -> RankOutputs:
         """Ulysses sequence parallelism (the module docstring): this rank's slice of the packed
         sequence in, every response token out."""
+        self.sp_group(inputs)  # its mesh, before anything else (a framework builds it at start-up)
         sp, n = inputs.sp_size, rows.size(0)
         lengths = inputs.total_lengths
         packed = sum(lengths)

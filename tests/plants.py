@@ -1133,3 +1133,23 @@ class LossParallelBackwardOutside(TargetBase):
 
 def loss_parallel_backward_outside() -> LossParallelBackwardOutside:
     return LossParallelBackwardOutside()
+
+
+class SpMeshOutermost(BuiltinTarget):
+    """builtin, its DeviceMesh built (sp, dp, tp): its sp groups stride over the data-parallel
+    copies ([0, 2] and [1, 3] at sp 2 in 4 ranks), where the harness's hold neighbours ([0, 1],
+    [2, 3]). A framework may order its mesh so; the harness, which lays each rank's batch out by
+    its own groups, must refuse such a world, alike on every rank, as its own error."""
+
+    name = "plants:SpMeshOutermost"
+
+    def sp_group(self, inputs: RankInputs):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (inputs.sp_size, dist.get_world_size() // (inputs.sp_size * inputs.tp_size), inputs.tp_size)
+        mesh = inputs.framework_groups(
+            ("plant", shape),
+            lambda: init_device_mesh("cpu", shape, mesh_dim_names=("sp", "dp", "tp")),
+            lambda m: {name: m[name].get_group() for name in ("dp", "sp", "tp")})
+        return mesh["sp"].get_group()

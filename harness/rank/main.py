@@ -328,6 +328,7 @@ class RankRunner:
             sp_group=groups.sp_group(),
             sp_rank=groups.cp_rank() if sc.sp > 1 else 0,
             sp_size=sc.sp,
+            world=groups,
         )
 
     def _run(self, scenario_dict: dict[str, Any], config: RunConfig, frame: Any, pipeline: Any) -> tuple[dict, dict | None]:

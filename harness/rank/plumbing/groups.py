@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -41,6 +43,16 @@ _built: dict[tuple[int, int], dict[str, Any]] = {}
 _share = False
 _rank_lists: dict[tuple[int, tuple[int, ...], tuple[bool, ...]], list[list[int]]] = {}
 _RANK_LISTS_KEPT = 256  # kinds of lists kept at most (about 16 a layout; a search draws many layouts)
+# per (layout, key), what a framework's own code built in this world (its DeviceMesh, its groups):
+# built once, collectively, by framework_groups
+_framework: dict[tuple[Any, Hashable], Any] = {}
+# the name of each group a framework's own code built -> (the layout it was built for, what it is
+# for: "sp", "tp", "dp", ...)
+_framework_roles: dict[str, tuple[Any, str]] = {}
+# the roles a framework's group may take, and the harness's group of that role it must equal
+ROLES = ("tp", "sp", "cp", "dp", "dp_cp", "world")
+# the phase the trace gives the harness's own calls around a framework's group creation
+SET_UP = "framework groups set-up"
 
 
 def reset() -> None:
@@ -67,6 +79,8 @@ def leave_world() -> None:
         ps.destroy_model_parallel()
         _put(ps, {})
     _built.clear()
+    _framework.clear()
+    _framework_roles.clear()
     _config = None
     _clean = None
 
@@ -231,6 +245,69 @@ def dp_size() -> int:
     return _ps().get_data_parallel_world_size()
 
 
+def _harness_group(role: str) -> Any:
+    import torch.distributed as dist
+
+    ps = _ps()
+    return {"tp": ps.get_tensor_model_parallel_group, "sp": ps.get_context_parallel_group,
+            "cp": ps.get_context_parallel_group, "dp": ps.get_data_parallel_group,
+            "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+            "world": lambda: dist.group.WORLD}[role]()
+
+
+def framework_groups(key: Hashable, build: Callable[[], T], roles: Callable[[T], Mapping[str, Any]]) -> T:
+    """What ``build()`` returns: a framework's own code building its process groups (its
+    ``init_device_mesh``, its engine's set-up), run once per key and layout in this world and
+    kept; ``roles(built)`` names each group it built that the framework will call collectives in
+    (:data:`ROLES`).
+
+    Every rank calls this with the same key in the same order (group creation is collective).
+    Before the first build, a barrier of the world: torch waits for a group's missing member
+    without bound (its 30-minute default), the barrier is a traced call the lockstep watches, so
+    a rank that never gets here is reported, not waited for. After it, each named group must hold
+    the ranks the harness's group of that role holds (the harness lays each rank's batch out by
+    its own groups): the whole world's lists are compared on every rank, so every rank refuses
+    alike (:class:`shardcheck.errors.BadInput`, the harness's error: such a world cannot check
+    that framework's layout). The groups are then labelled by their role for the trace, and
+    counted among this rank's groups (:func:`member_groups`).
+    """
+    full = (_config, key)
+    if full in _framework:
+        return _framework[full]
+    _ps()  # configured first: the roles are checked against its groups
+    import torch.distributed as dist
+
+    from shardcheck.harness.rank.plumbing import trace
+
+    with trace.labelled(SET_UP):
+        dist.barrier()
+    built = build()
+    named = dict(roles(built))
+    unknown = sorted(set(named) - set(ROLES))
+    if unknown:
+        raise ValueError(f"framework_groups: unknown roles {unknown} (roles: {', '.join(ROLES)})")
+    mine = {role: (sorted(dist.get_process_group_ranks(group)), sorted(dist.get_process_group_ranks(
+        _harness_group(role)))) for role, group in named.items()}
+    if _share:  # the fake world moves no data: this rank's own lists are all it can compare
+        everyone = [mine]
+    else:
+        everyone = [None] * dist.get_world_size()
+        with trace.labelled(SET_UP):
+            dist.all_gather_object(everyone, mine)
+    for rank, lists in enumerate(everyone):
+        for role, (theirs, ours) in sorted((lists or {}).items()):
+            if theirs != ours:
+                from shardcheck.errors import BadInput
+
+                raise BadInput(f"{key}: the framework's own {role} group of global rank {rank} holds ranks {theirs}, "
+                               f"the harness's {role} group holds {ours}: the harness lays each rank's batch out by "
+                               f"its own groups, so this world cannot check this framework's layout")
+    for role, group in named.items():
+        _framework_roles[group.group_name] = (_config, role)
+    _framework[full] = built
+    return built
+
+
 def member_groups() -> list[str]:
     """The names of the groups this rank belongs to (tp, cp, dp and the world), as the trace
     names a call's group; [] before the groups are configured."""
@@ -246,13 +323,15 @@ def member_groups() -> list[str]:
             names.append(get().group_name)
         except (AssertionError, RuntimeError, AttributeError):
             continue
-    return names
+    return names + [name for name, (layout, _) in _framework_roles.items() if layout == _config and name not in names]
 
 
 def label(group_name: str) -> str:
     """What a group is for ("tp", "cp", "dp", ...), from its name; "" when unknown."""
     if _config is None:
         return ""
+    if group_name in _framework_roles:
+        return _framework_roles[group_name][1]
     ps = _ps()
     getters = [("tp", ps.get_tensor_model_parallel_group), ("sp" if sp_size() > 1 else "cp", ps.get_context_parallel_group),
                ("dp", ps.get_data_parallel_group)]
