@@ -33,18 +33,27 @@ the harness the ``input_ids`` (and ``position_ids``) it gives this rank's model;
 learns the layout from them (its position trace), and the logits arrive in those rows.
 ``--target-opt layout=shardcheck`` keeps the harness's own rows instead.
 
-The Ulysses group is set as the engine's ``EngineTrainModeCtx`` sets it: the previous group saved,
-``set_ulysses_sequence_parallel_group`` with the rank's sp group (None at sp 1), restored when
-``compute`` returns (the gather's backward keeps its group in its autograd context).
+The Ulysses group is verl's own: ``FSDPEngine._init_device_mesh`` (with ``get_data_parallel_size``,
+compiled alone likewise; the file's module-level ``device_name = get_device_name()`` runs with
+them) builds the engine's meshes on a fresh engine object whose ``engine_config`` holds
+``FSDPEngineConfig``'s default ``fsdp_size`` (read from the checkout) and the scenario's sp as
+``ulysses_sequence_parallel_size``: ``create_device_mesh`` (1-D over the world at fsdp_size -1)
+and, at sp > 1, ``init_device_mesh(device_name, (dp, sp), ["dp", "sp"])``. It runs through the
+harness's ``framework_groups`` (once per world, layout and checkout, collectively), which checks
+the groups against its own: the fsdp mesh's as the world, the Ulysses mesh's dp and sp.
+``ulysses_parallel_group`` is then set as the engine's ``EngineTrainModeCtx`` sets it: the
+previous group saved, ``set_ulysses_sequence_parallel_group(engine.ulysses_parallel_group)``
+(None at sp 1), restored when ``compute`` returns (the gather's backward keeps its group in its
+autograd context). Before #5305 ``_init_device_mesh`` set no ``ulysses_parallel_group`` (an
+``FSDPUlyssesShardingManager`` held the mesh): there the harness's sp group is set instead.
 
-The engine object is not built (its ``__init__`` builds the FSDP module, optimizer and device
-mesh): the compiled methods run on an object holding the attributes ``__init__`` and
-``_init_device_mesh`` set that they read (``use_ulysses_sp``, ``ulysses_sequence_parallel_size``,
-``pad_to_length`` off, ``engine_config``'s entropy fields, ``compute_entropy_from_logits`` picked as
-``__init__`` picks it, torch.compile running eagerly). The micro-batch is a dict with the keys verl's
-``TensorDict`` carries (tensordict is not installed here: where it is missing a stand-in whose
-``NonTensorData`` is a class is put in ``sys.modules`` while the target is loaded, so that
-``tu.unwrap_non_tensor_data``'s isinstance works).
+The engine object is not built (its ``__init__`` builds the FSDP module and optimizer): the
+compiled methods run on an object holding what ``_init_device_mesh`` set and the attributes
+``__init__`` sets that they read (``pad_to_length`` off, ``engine_config``'s entropy fields,
+``compute_entropy_from_logits`` picked as ``__init__`` picks it, torch.compile running eagerly).
+The micro-batch is a dict with the keys verl's ``TensorDict`` carries (tensordict is not installed
+here: where it is missing a stand-in whose ``NonTensorData`` is a class is put in ``sys.modules``
+while the target is loaded, so that ``tu.unwrap_non_tensor_data``'s isinstance works).
 
 Not reached: the model's forward (the Ulysses attention's all-to-all, ``monkey_patch.py``), the
 fused-kernel path (``use_fused_kernels``: log-probs from hidden states), the static bucket pad
@@ -83,6 +92,12 @@ ULYSSES_MODULE = "verl.utils.ulysses"
 # commits gather in prepare_model_outputs itself)
 METHODS = (("FSDPEngineWithLMHead", "prepare_model_inputs"), ("FSDPEngineWithLMHead", "prepare_model_outputs"))
 HELPERS = (("FSDPEngine", "_get_packed_pad_size"), ("FSDPEngine", "_gather_and_unpad_packed"))
+# the engine's mesh set-up; since #5305 it sets ulysses_parallel_group, which EngineTrainModeCtx sets as the
+# Ulysses group (before, FSDPUlyssesShardingManager held the mesh: not followed, the harness's sp group is set)
+MESH_METHODS = (("FSDPEngine", "_init_device_mesh"), ("FSDPEngine", "get_data_parallel_size"))
+MESH_GROUP = "ulysses_parallel_group"
+CONFIG_FILE = Path("verl/workers/config/engine.py")
+FSDP_UTILS_FILE = Path("verl/workers/engine/fsdp/utils.py")  # create_device_mesh
 DENSE_FILE = Path("verl/models/transformers/dense_common.py")
 DENSE_MODULE = "verl.models.transformers.dense_common"
 FUSED_FILE = Path("verl/utils/experimental/torch_functional.py")
@@ -107,11 +122,15 @@ OPTIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class FSDPEra:
-    """What the checkout offers: the engine's methods compiled (the helpers are newer), and whether
-    it has the dense models' fused forward (``fused_kernels=torch``)."""
+    """What the checkout offers: the engine's methods compiled (the helpers are newer), whether
+    it has the dense models' fused forward (``fused_kernels=torch``), and whether the Ulysses group
+    is verl's own ``_init_device_mesh``'s (``ulysses_parallel_group``, since #5305), with
+    ``FSDPEngineConfig``'s default ``fsdp_size``."""
 
     methods: tuple[str, ...]
     dense_fused_forward: bool
+    device_mesh: bool = False
+    fsdp_size: int | None = None
 
 
 class _Module:
@@ -148,7 +167,7 @@ def engine_methods(src: Path) -> tuple[ast.Module, dict[str, ast.FunctionDef]] |
         return None
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     found: dict[str, ast.FunctionDef] = {}
-    for cls, method in METHODS + HELPERS:
+    for cls, method in METHODS + HELPERS + MESH_METHODS:
         fn = next((f for f in getattr(classes.get(cls), "body", []) if isinstance(f, ast.FunctionDef)
                    and f.name == method), None)
         if fn is None and (cls, method) in METHODS:
@@ -156,6 +175,36 @@ def engine_methods(src: Path) -> tuple[ast.Module, dict[str, ast.FunctionDef]] |
         if fn is not None:
             found[method] = fn
     return tree, found
+
+
+def builds_ulysses_group(methods: dict[str, ast.FunctionDef]) -> bool:
+    """Whether ``_init_device_mesh`` sets ``self.ulysses_parallel_group`` (and
+    ``get_data_parallel_size``, which it calls, is there): the engine's own Ulysses group."""
+    init = methods.get(MESH_METHODS[0][1])
+    return init is not None and MESH_METHODS[1][1] in methods and any(
+        isinstance(t, ast.Attribute) and t.attr == MESH_GROUP and isinstance(t.value, ast.Name) and t.value.id == "self"
+        for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets)
+
+
+def fsdp_size_default(src: Path) -> int | None:
+    """``FSDPEngineConfig``'s default ``fsdp_size`` at this commit (None where not found)."""
+    tree = FRAMEWORK.parse(src, CONFIG_FILE)
+    for cls in (n for n in (tree.body if tree else []) if isinstance(n, ast.ClassDef) and n.name == "FSDPEngineConfig"):
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == "fsdp_size":
+                try:
+                    value = ast.literal_eval(stmt.value) if stmt.value is not None else None
+                except ValueError:
+                    return None
+                return value if isinstance(value, int) else None
+    return None
+
+
+def module_assignments(tree: ast.Module, names: set[str]) -> dict[str, ast.Assign]:
+    """The file's module-level ``name = ...`` statements of ``names`` (``device_name =
+    get_device_name()``): run with the compiled methods, as the module runs them on import."""
+    return {n.targets[0].id: n for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
+            and isinstance(n.targets[0], ast.Name) and n.targets[0].id in names}
 
 
 def _transformers_stand_in() -> dict[str, types.ModuleType]:
@@ -209,7 +258,8 @@ class VerlFSDPDataPath(PreparedInputsPath):
     """verl's FSDP engine's own layout: ``prepare_model_inputs`` on the micro-batch verl's data path
     hands the engine (nested jagged ids and positions), with the Ulysses group set as
     ``EngineTrainModeCtx`` sets it (megatron's context-parallel group, which under the sp layouts is
-    the harness's sp group; None at sp 1). What it hands the model as ``input_ids`` is this rank's
+    the harness's sp group; None at sp 1: the slicing reads only its rank and size, which verl's own
+    mesh's sp group, built in ``compute``, shares). What it hands the model as ``input_ids`` is this rank's
     rows: ``[1, T_local]`` packed (thd, ulysses: rolled, padded to a multiple of sp and sliced by
     ``ulysses_pad_and_slice_inputs``), ``[B, S]`` padded with 0 for bshd (no padding removal)."""
 
@@ -271,8 +321,13 @@ class VerlFSDPTarget(CheckoutTarget):
             if FRAMEWORK.parse(self.src, DENSE_FILE) is None or FRAMEWORK.parse(self.src, FUSED_FILE) is None:
                 raise BadInput(f"verl at {self.short()} has no {DENSE_FILE} or {FUSED_FILE} (fused_kernels=torch)")
             self.framework_files = self.framework_files + (str(DENSE_FILE), str(FUSED_FILE))
-        self.era = FSDPEra(tuple(f"{c}.{m}" for c, m in METHODS + HELPERS if m in self._methods),
-                           FRAMEWORK.parse(self.src, DENSE_FILE) is not None)
+        fsdp_size = fsdp_size_default(self.src)
+        mesh = builds_ulysses_group(self._methods) and fsdp_size is not None
+        self.era = FSDPEra(tuple(f"{c}.{m}" for c, m in METHODS + HELPERS + (MESH_METHODS if mesh else ())
+                                 if m in self._methods),
+                           FRAMEWORK.parse(self.src, DENSE_FILE) is not None, mesh, fsdp_size if mesh else None)
+        if mesh:
+            self.framework_files = self.framework_files + (str(FSDP_UTILS_FILE),)
         self.capabilities = Capabilities(
             layouts=frozenset({"thd", "bshd", "ulysses"}), entropy=True, tp_sizes=frozenset({1}),
             cp_sizes=frozenset({1}), layout_reasons=LAYOUT_WHY,
@@ -280,6 +335,7 @@ class VerlFSDPTarget(CheckoutTarget):
         self._engine_cls: Any = None
         self._mods: dict[str, Any] = {}
         self.read_names: list[str] = []
+        self.module_lines: list[str] = []
         self.data_path = VerlFSDPDataPath(self) if self.layout_option == "framework" else None
 
     # -- loading -----------------------------------------------------------------------------
@@ -294,23 +350,28 @@ class VerlFSDPTarget(CheckoutTarget):
             if make is not None:
                 self._stand_in(wanted, make)
         path = self.src / ENGINE_FILE
-        methods = [self._methods[m] for _, m in METHODS + HELPERS if m in self._methods]
+        compiled = METHODS + HELPERS + (MESH_METHODS if self.era.device_mesh else ())
+        methods = [self._methods[m] for _, m in compiled if m in self._methods]
         for fn in methods:
             fn.decorator_list = []
         cls = ast.ClassDef(name="FSDPEngineWithLMHead", bases=[], keywords=[], body=methods, decorator_list=[],
                            type_params=[])
-        module = ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[]))
         import __future__
+        import builtins
         import symtable
 
-        table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(module), str(path), "exec")
+        table = symtable.symtable("from __future__ import annotations\n" + ast.unparse(cls), str(path), "exec")
         reads: set[str] = set()
         for child in table.get_children():
             reads |= names_read(child)
-        import builtins
-
         reads -= set(dir(builtins))
         imports = module_imports(self._tree, ENGINE_PACKAGE)
+        # names the file binds at module level other than by import run their own lines first
+        assigns = module_assignments(self._tree, reads - set(imports))
+        reads = (reads - set(assigns)) | {n.id for a in assigns.values() for n in ast.walk(a.value)
+                                          if isinstance(n, ast.Name)} - set(dir(builtins))
+        module = ast.fix_missing_locations(ast.Module(
+            body=sorted(assigns.values(), key=lambda a: a.lineno) + [cls], type_ignores=[]))
         unknown = sorted(n for n in reads if n not in imports)
         if unknown:
             raise BadInput(f"verl at {self.short()}: the FSDP engine's methods read {', '.join(unknown)}, which "
@@ -329,6 +390,7 @@ class VerlFSDPTarget(CheckoutTarget):
                 given[name] = self.import_module(f"{mod_name}.{attr}") if FRAMEWORK.owns(mod_name) else getattr(
                     mod, attr)
         self.read_names = sorted(reads)
+        self.module_lines = [f"{ENGINE_FILE}:{a.lineno}: {ast.unparse(a)}" for a in module.body[:-1]]
         for mod_name in (ULYSSES_MODULE, PADDING_MODULE, "verl.utils.torch_functional") + (
                 (DENSE_MODULE,) if self.fused != "off" else ()):
             self._mods[mod_name] = self.import_module(mod_name)
@@ -359,8 +421,49 @@ class VerlFSDPTarget(CheckoutTarget):
         self.checkout.undo_later(undo)
         self.checkout.stubs.append(f"{package} (a stand-in: {STAND_INS[package]})")
 
-    def _engine(self, sp_size: int, chunk_size: int) -> Any:
-        """An engine object holding what ``__init__`` / ``_init_device_mesh`` set that the methods read."""
+    def _built_mesh(self, sp_size: int) -> dict[str, Any]:
+        """What verl's ``_init_device_mesh`` sets on a fresh engine object (its meshes, its
+        ``ulysses_parallel_group``, ``use_ulysses_sp``, ...), the config at ``FSDPEngineConfig``'s
+        default fsdp_size and the scenario's sp. Collective: every rank of the world runs it."""
+        from shardcheck.targets.verl import _Config
+
+        engine = object.__new__(self._load())
+        engine.engine_config = _Config(fsdp_size=self.era.fsdp_size, ulysses_sequence_parallel_size=sp_size)
+        engine._init_device_mesh()
+        return {k: v for k, v in vars(engine).items() if k != "engine_config"}
+
+    @staticmethod
+    def _mesh_roles(built: dict[str, Any]) -> dict[str, Any]:
+        """The groups of verl's meshes, by the harness's role each must equal: the fsdp mesh's
+        (1-D over the world at the default fsdp_size: FSDP's own), the Ulysses mesh's dp and sp."""
+        import torch.distributed as dist
+
+        roles: dict[str, Any] = {}
+        mesh = built.get("device_mesh")
+        if mesh is not None and mesh.ndim == 1 and mesh.size() == dist.get_world_size():
+            roles["world"] = mesh.get_group()
+        if built.get("ulysses_device_mesh") is not None:
+            roles["dp"] = built["ulysses_device_mesh"]["dp"].get_group()
+        if built.get(MESH_GROUP) is not None:
+            roles["sp"] = built[MESH_GROUP]
+        return roles
+
+    def _mesh(self, inputs: RankInputs) -> dict[str, Any] | None:
+        """verl's own meshes for this layout, through the harness (built once per world, layout and
+        checkout); None for a commit before ``ulysses_parallel_group`` or outside a harness, where
+        the harness's sp group stands in."""
+        if not self.era.device_mesh or inputs.world is None:
+            return None
+        import torch.distributed as dist
+
+        shape = (dist.get_world_size(), self.era.fsdp_size, inputs.sp_size)
+        # the checkout in the key: another commit's adapter in the same world runs its own code
+        return inputs.framework_groups((self.name, str(self.src), shape), lambda: self._built_mesh(inputs.sp_size),
+                                       self._mesh_roles)
+
+    def _engine(self, sp_size: int, chunk_size: int, mesh: dict[str, Any] | None = None) -> Any:
+        """An engine object holding what ``_init_device_mesh`` set (``mesh``: verl's own; else
+        the attributes it sets that the methods read) and what ``__init__`` sets that they read."""
         from shardcheck.targets.verl import _Config
 
         cls = self._load()
@@ -373,8 +476,11 @@ class VerlFSDPTarget(CheckoutTarget):
                          ulysses_sequence_parallel_size=sp_size)
         engine.engine_config = config
         engine.module = _Module()
-        engine.ulysses_sequence_parallel_size = sp_size
-        engine.use_ulysses_sp = sp_size > 1
+        if mesh is not None:
+            vars(engine).update(mesh)
+        else:
+            engine.ulysses_sequence_parallel_size = sp_size
+            engine.use_ulysses_sp = sp_size > 1
         engine.pad_to_length, engine.pad_to_length_bucket = config.pad_to_length, config.pad_to_length_bucket
         # as __init__ picks it (torch.compile runs eagerly: the checkout's torch._dynamo is disabled)
         import torch
@@ -387,17 +493,30 @@ class VerlFSDPTarget(CheckoutTarget):
     def description(self) -> dict[str, Any]:
         return {"fused_kernels": self.fused,
                 "data_path": layout_description(self.data_path, self.layout_option, "layout=shardcheck"),
-                "calls": (f"{ENGINE_FILE}: FSDPEngineWithLMHead.prepare_model_inputs, the harness's logits as the "
+                "calls": (f"{ENGINE_FILE}: " + ("FSDPEngine._init_device_mesh (once per world and layout), "
+                                                 if self.era.device_mesh else "")
+                          + "FSDPEngineWithLMHead.prepare_model_inputs, the harness's logits as the "
                           "model's output, prepare_model_outputs (under forward_step's autocast); responses cut by "
                           f"{PADDING_FILE}::no_padding_2_padding"),
-                "compiled_alone": [f"{c}.{m}" for c, m in METHODS],
+                "compiled_alone": list(self.era.methods),
                 "names_bound_from_the_engine_file's_imports": self.read_names,
-                "ulysses_group": "set_ulysses_sequence_parallel_group(sp group) around the forward, as "
-                                 "EngineTrainModeCtx does; restored after",
+                "module_level_lines_run": self.module_lines,
+                "ulysses_group": (
+                    f"built by verl's FSDPEngine._init_device_mesh ({ENGINE_FILE}; fsdp_size "
+                    f"{self.era.fsdp_size}, FSDPEngineConfig's default, ulysses_sequence_parallel_size the "
+                    "scenario's sp) once per world and layout, its groups checked against the harness's (the fsdp "
+                    "mesh's as the world, the Ulysses mesh's dp and sp); set_ulysses_sequence_parallel_group("
+                    "engine.ulysses_parallel_group) around the forward, as EngineTrainModeCtx does; restored after"
+                    if self.era.device_mesh else
+                    "the harness's sp group: this commit's FSDPEngine has no _init_device_mesh setting "
+                    "ulysses_parallel_group (before #5305 an FSDPUlyssesShardingManager held its mesh: not followed); "
+                    "set_ulysses_sequence_parallel_group(sp group) around the forward, as the engine's train mode "
+                    "does; restored after"),
                 "engine_config": {"use_remove_padding": "true (thd, ulysses); false for bshd",
                                   "entropy_from_logits_with_chunking": "when the scenario has a chunk size",
                                   "entropy_checkpointing": False, "pad_to_length": False,
-                                  "use_fused_kernels": False},
+                                  "use_fused_kernels": False,
+                                  **({"fsdp_size": self.era.fsdp_size} if self.era.device_mesh else {})},
                 "not_run": "the __init__.py of the verl packages holding the modules imported (verl/__init__.py "
                            "imports ray); torch.compile runs eagerly",
                 "framework_files": list(self.framework_files)}
@@ -409,7 +528,9 @@ class VerlFSDPTarget(CheckoutTarget):
 
         if inputs.tp_size != 1:
             raise ValueError(f"verl:fsdp runs at tp 1 only, got tp {inputs.tp_size}")
-        engine = self._engine(inputs.sp_size, inputs.chunk_size)
+        # the meshes first, as the engine's __init__ builds them before anything else
+        mesh = self._mesh(inputs)
+        engine = self._engine(inputs.sp_size, inputs.chunk_size, mesh)
         ulysses = self._mods[ULYSSES_MODULE]
         padding = self._mods[PADDING_MODULE]
         logits = inputs.logits
@@ -421,7 +542,10 @@ class VerlFSDPTarget(CheckoutTarget):
         nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
         micro_batch = self.micro_batch(tokens, lengths, responses, inputs.temperature, inputs.layout != "bshd",
                                        bool(inputs.with_entropy))
-        group = inputs.sp_group if inputs.sp_size > 1 else None
+        if mesh is not None:
+            group = engine.ulysses_parallel_group
+        else:
+            group = inputs.sp_group if inputs.sp_size > 1 else None
         if group is not None and dist.get_rank(group=group) != inputs.sp_rank:
             raise RuntimeError(f"shardcheck's verl:fsdp adapter: sp rank {inputs.sp_rank} is rank "
                                f"{dist.get_rank(group=group)} of its sp group")

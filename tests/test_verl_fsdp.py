@@ -99,6 +99,36 @@ def test_the_fsdp_engine_matches_the_reference_under_ulysses(world, tmp_path):
 
 
 @needs_verl
+@pytest.mark.world
+def test_the_ulysses_gathers_go_to_the_groups_verls_own_mesh_built(world2):
+    """sp 2 twice on the 2-rank world (no other test builds verl's mesh there): verl's own
+    FSDPEngine._init_device_mesh builds the meshes in the first scenario only (the harness's set-up
+    barrier and its check of the groups against its own, none in the second; coverage names it and
+    create_device_mesh), and every gather of verl's gather_outputs_and_unpad goes to that mesh's sp
+    group, the same one in both scenarios; both pass."""
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import SilentReport
+
+    scenarios = [Scenario.from_dict({"name": f"sp2-{i}", "samples": [[9, 4], [6, 3]], "vocab": 16, "sp": 2,
+                                     "layout": "ulysses", "entropy_coef": 0.1, "seed": 510 + i}) for i in range(2)]
+    result = runner.run(scenarios, SPEC, reporter=SilentReport(), world=world2, trace=True, coverage=True)
+    assert result.exit_code == 0, [v.headline() for v in result.verdicts]
+    described = result.info.target
+    assert described["era"]["device_mesh"] and described["ulysses_group"].startswith(
+        "built by verl's FSDPEngine._init_device_mesh"), described
+    first, second = ([c for trace in v.traces.values() for c in trace] for v in result.verdicts)
+    set_up = [c for c in first if c["phase"] == "framework groups set-up"]
+    assert {c["op"] for c in set_up} >= {"barrier", "all_gather"}, first
+    assert not [c for c in second if c["phase"] == "framework groups set-up"]
+    gathers = [c for c in first + second if "verl/utils/ulysses.py:" in c["site"]]
+    assert gathers and {c["op"] for c in gathers} == {"all_gather_into_tensor"}, first + second
+    assert {(c["group"], tuple(c["ranks"])) for c in gathers} == {(gathers[0]["group"], (0, 1))}, gathers
+    ran = {name for f in result.info.coverage["files"].values() for name in f["functions"]}
+    assert {f"{ENGINE_FILE}:FSDPEngine._init_device_mesh",
+            "verl/workers/engine/fsdp/utils.py:create_device_mesh"} <= ran, sorted(ran)
+
+
+@needs_verl
 def test_the_registered_name_builds_it():
     built = resolve("verl:fsdp", TargetConfig(None))
     assert built.name == "verl:fsdp" and built.capabilities.tp_sizes == frozenset({1})
