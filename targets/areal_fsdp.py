@@ -50,12 +50,26 @@ harness the ``input_ids`` (and ``position_ids``) it gives this rank's model; the
 the layout from them (its position trace), and the logits arrive in those rows. The inline era
 has no such function (its slicing is inline in ``forward``): there the harness lays the rows out.
 
-The engine object is not built (its ``__init__`` and ``initialize`` build the model, the optimizer
-and the device mesh): the methods run on an object holding what they read: ``parallel_helper``
-(sp_size, tp_size, tp_group, dp_size), ``sp_group``, ``config`` (temperature, is_critic False),
-``is_vision_model`` False, ``enable_tree_training`` False. The Ulysses group is set as
-``_ensure_ready`` sets it (``set_ulysses_sequence_parallel_group(self.sp_group)``) and restored
-after.
+The engine object is not built (its ``__init__`` and ``initialize`` build the model and the
+optimizer): the methods run on an object holding what they read: what ``create_process_group``
+sets, ``config`` (temperature, is_critic False), ``is_vision_model`` False,
+``enable_tree_training`` False. The process groups are AReaL's own: ``create_process_group``'s
+lines that build them (``self.parallel_helper = ParallelHelper.from_parallel_strategy(...)``,
+``world_mesh``, ``dp_group``, ``sp_group = world_mesh["sp"]``, ``mp_group = world_mesh["sp_tp"]``;
+its other lines start the world, a gloo group, a logger and a warm-up) compiled alone from the
+engine file, on ``ParallelHelper`` compiled alone from its file (``build_mesh``:
+``init_device_mesh(current_platform.device_type, (dp, sp, tp), ("dp", "sp", "tp"))`` and its
+``_flatten``'s) and AReaL's ``FSDPParallelStrategy`` (compiled alone from
+``areal/api/alloc_mode.py``, as ``_make_parallel_strategy`` makes it). They run once per world and
+layout through the harness's ``framework_groups``, which checks the mesh's dp, sp and tp groups
+(``parallel_helper.tp_group``, ``world_mesh["tp"]``: the vocabulary-parallel group the log-prob
+path reads) hold the harness's ranks (TP fastest, as megatron orders them). ``current_platform``
+is a stand-in whose ``device_type`` is the world's (:data:`PLATFORM_WHY`). The Ulysses group is
+set as ``_ensure_ready`` sets it (``set_ulysses_sequence_parallel_group(self.sp_group)`` at
+sp > 1) and restored after. The data path runs ``_prepare_mb_inputs`` on the harness's sp group
+(it is handed no ``RankInputs`` to build AReaL's through; the ranks are the same). A checkout
+whose ``create_process_group`` builds no ``ParallelHelper`` and the inline era keep the harness's
+groups, and say so.
 
 CPU: torch's ``dist_F.all_gather`` backward on gloo (``_AlltoAll``) scatters with the group's rank
 as a global ``src``: it fails for an sp group other than global ranks 0..sp-1 (tp 2 x sp 2: sp
@@ -87,6 +101,8 @@ loss and the optimizer inline; only its forward is driven).
 from __future__ import annotations
 
 import ast
+import contextlib
+import copy
 import dataclasses
 import sys
 import types
@@ -112,6 +128,17 @@ CLASS = "FSDPEngine"
 METHODS = ("_prepare_mb_inputs", "_sp_all_gather", "_get_vocab_min_max_logits", "_compute_logprobs_entropy",
            "_compute_logprobs", "_compute_values", "_compute_logprobs_and_loss", "_compute_forward_result")
 CONTEXT = "FSDPTrainContext"
+# the process-group set-up: FSDPEngine.create_process_group's lines that make AReaL's mesh and take
+# the groups from it (the method's other lines start the world, a gloo group, a logger, the warm-up)
+SET_UP_METHOD = "create_process_group"
+SET_UP_ATTRS = ("parallel_helper", "world_mesh", "dp_group", "sp_group", "mp_group")
+HELPER = "ParallelHelper"
+ALLOC_FILE = Path("areal/api/alloc_mode.py")
+STRATEGIES = ("ParallelStrategy", "FSDPParallelStrategy")
+PLATFORM_WHY = ("AReaL's current_platform is made by areal/infra/platforms/__init__.py (areal/platforms before), a "
+                "package __init__ the adapter does not run (it imports transformers and detects the accelerator); "
+                "its platform classes import areal.utils.logging (colorlog): a stand-in whose device_type is the "
+                "world's device type (cpu on gloo, as AReaL's CpuPlatform says; cuda on nccl, as its CudaPlatform)")
 # read only where enable_tree_training is on (off here)
 OFF_PATH = ("gather_packed_tree_vocab_stats", "gather_packed_tree_logprobs_entropy", "_gather_packed_tree_logprobs")
 PATHS = ("train", "forward")
@@ -148,6 +175,8 @@ ACTOR_FILE = Path("areal/engine/ppo/actor.py")
 OLD_FUNCTIONAL_FILE = Path("areal/utils/functional.py")
 DATA_FILE = Path("areal/utils/data.py")
 DATA_HELPERS = ("pack_tensor_dict", "unpack_sequence", "reorder_list", "pad_and_stack_tensors_along_first_dim")
+INLINE_GROUPS_WHY = ("the inline era (before 0369627d4) runs FSDPEngine.forward alone, not the engine's set-up: the "
+                     "harness's sp group, as the Ulysses mesh stand-in's")
 INLINE_WHY = ("before 0369627d4 AReaL's FSDP engine computes log-probs inline in FSDPEngine.forward (compute_logp's "
               "path); areal:fsdp drives that path there: --target-opt path=forward")
 
@@ -223,6 +252,80 @@ def engine_tree(src: Path) -> tuple[ast.Module, dict[str, ast.AST]] | None:
     return tree, found
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupSetUp:
+    """AReaL's own process-group set-up, where the checkout has it: ``create_process_group``'s
+    lines (``method``: the method with only those statements, line numbers kept) and the file
+    defining ``ParallelHelper`` (``helper_file``, as the engine file imports it)."""
+
+    method: ast.FunctionDef
+    helper_file: Path
+
+    @property
+    def lines(self) -> list[int]:
+        return [stmt.lineno for stmt in self.method.body]
+
+
+def _assigned_self_attr(stmt: ast.stmt) -> str | None:
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target = stmt.targets[0]
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            return target.attr
+    return None
+
+
+def group_set_up(src: Path, tree: ast.Module) -> GroupSetUp | str:
+    """``create_process_group``'s statements that set :data:`SET_UP_ATTRS` (ParallelHelper's mesh
+    and the groups taken from it) and ParallelHelper's file; a sentence saying why not where the
+    checkout has no such set-up (the harness's groups are used there)."""
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS), None)
+    fn = next((f for f in getattr(cls, "body", []) if isinstance(f, ast.FunctionDef) and f.name == SET_UP_METHOD),
+              None)
+    if fn is None:
+        return f"{ENGINE_FILE} has no {CLASS}.{SET_UP_METHOD}"
+    kept = [stmt for stmt in fn.body if _assigned_self_attr(stmt) in SET_UP_ATTRS]
+    if sorted({_assigned_self_attr(stmt) for stmt in kept}) != sorted(SET_UP_ATTRS) or len(kept) != len(SET_UP_ATTRS):
+        return f"{CLASS}.{SET_UP_METHOD} does not set {', '.join(SET_UP_ATTRS)} once each"
+    helper = next(stmt for stmt in kept if _assigned_self_attr(stmt) == "parallel_helper")
+    if HELPER not in ast.unparse(helper.value):
+        return f"{CLASS}.{SET_UP_METHOD} does not build its parallel_helper with {HELPER}"
+    module, attr = module_imports(tree, ENGINE_PACKAGE).get(HELPER, (None, None))
+    if module is None or attr != HELPER or not FRAMEWORK.owns(module):
+        return f"{ENGINE_FILE} does not import {HELPER} from AReaL"
+    helper_file = Path(*module.split(".")).with_suffix(".py")
+    helper_tree = FRAMEWORK.parse(src, helper_file)
+    if not any(isinstance(n, ast.ClassDef) and n.name == HELPER for n in getattr(helper_tree, "body", [])):
+        return f"{helper_file} defines no {HELPER}"
+    method = copy.deepcopy(fn)
+    method.body, method.decorator_list = kept, []
+    return GroupSetUp(method, helper_file)
+
+
+@contextlib.contextmanager
+def _module_for_dataclasses(rel: Path) -> Any:
+    """A module named as compile_alone names the namespace it compiles ``rel`` into, in
+    sys.modules while it compiles: ``@dataclass`` looks its class's module up there (and fails on
+    none); removed after, nothing of AReaL's left importable."""
+    name = f"shardcheck_compiled_{rel.stem}"
+    saved = sys.modules.get(name)
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = saved
+
+
+def _harness_groups(sp_size: int, tp_size: int, tp_group: Any, sp_group: Any) -> Any:
+    """The harness's sp and tp groups as create_process_group leaves them for the methods (a
+    ParallelHelper-shaped stand-in): where AReaL's own set-up is not run."""
+    helper = types.SimpleNamespace(sp_size=sp_size, tp_size=tp_size, dp_size=1,
+                                   tp_group=tp_group if tp_size > 1 else None)
+    return types.SimpleNamespace(parallel_helper=helper, sp_group=sp_group if sp_size > 1 else None)
+
+
 INLINE_LAYOUT_WHY = ("before 0369627d4 AReaL's FSDP engine slices the rows inline in FSDPEngine.forward, between "
                      "prepare_mb_list and the model call (no function of its own to run alone): the harness lays "
                      "out the rows (its ulysses layout) and checks them against the ids forward hands the model")
@@ -256,7 +359,9 @@ class ArealFSDPDataPath(PreparedInputsPath):
         target = self.target
         sp = mpu.get_context_parallel_world_size() if rollout.layout == "ulysses" else 1
         group = mpu.get_context_parallel_group() if sp > 1 else None
-        engine = target._engine(sp, 1, None, group, 1.0)
+        # the harness's sp group (megatron's CP group): the data path is handed no RankInputs to build
+        # AReaL's through; compute's framework_groups checks AReaL's holds the same ranks
+        engine = target._engine(_harness_groups(sp, 1, None, group), 1.0)
         ulysses = target._ulysses
         mb_item, _ = target.micro_batch(list(rollout.tokens), list(rollout.total_lengths),
                                         list(rollout.response_lengths), rollout.tokens[0].device)
@@ -300,6 +405,9 @@ class ArealFSDPTarget(CheckoutTarget):
         if ulysses is None:
             raise BadInput(f"AReaL at {self.short()} has no {' or '.join(map(str, ULYSSES_FILES))}")
         self.ulysses_module = str(ulysses.with_suffix("")).replace("/", ".")
+        # where AReaL's own set-up builds the groups (GroupSetUp), or why the harness's are used
+        self.group_set_up: GroupSetUp | str = INLINE_GROUPS_WHY
+        self.strategy_why = ""  # why the strategy is a stand-in, where the checkout has no FSDPParallelStrategy
         if inline is not None:
             if self.path != "forward":
                 raise BadInput(f"AReaL at {self.short()}: {INLINE_WHY}")
@@ -315,6 +423,15 @@ class ArealFSDPTarget(CheckoutTarget):
                                "gather_logprobs_entropy(tp_group)")
             self.era = ArealFSDPEra("methods", tuple(f"{CLASS}.{m}" for m in METHODS), str(ulysses))
             self.framework_files = (str(ENGINE_FILE), str(ulysses), str(VOCAB_PARALLEL_FILE))
+            self.group_set_up = group_set_up(self.src, self._tree)
+            if isinstance(self.group_set_up, GroupSetUp):
+                self.framework_files += (str(self.group_set_up.helper_file),)
+                alloc = FRAMEWORK.parse(self.src, ALLOC_FILE)
+                defined = {n.name for n in getattr(alloc, "body", []) if isinstance(n, ast.ClassDef)}
+                if set(STRATEGIES) <= defined:
+                    self.framework_files += (str(ALLOC_FILE),)
+                else:
+                    self.strategy_why = f"{ALLOC_FILE} defines no {' and '.join(STRATEGIES)}"
         forward = self.path == "forward"
         self.capabilities = Capabilities(
             layouts=frozenset({"thd", "ulysses"}), entropy=not forward,
@@ -329,6 +446,8 @@ class ArealFSDPTarget(CheckoutTarget):
         self._actor_cls: Any = None
         self._ulysses: Any = None
         self.read_names: list[str] = []
+        # per device type: AReaL's set-up compiled with a current_platform of that type, and its strategy
+        self._set_up_cls: dict[str, tuple[Any, Any]] = {}
         self.data_path = ArealFSDPDataPath(self)
 
     @staticmethod
@@ -340,6 +459,7 @@ class ArealFSDPTarget(CheckoutTarget):
     # -- loading -----------------------------------------------------------------------------
     def forget(self) -> None:
         self._engine_cls, self._ulysses = None, None
+        self._set_up_cls = {}
 
     def _functions(self) -> dict[str, Any]:
         """gather_logprobs(_entropy), as ``areal.utils.functional`` re-exports them from
@@ -430,12 +550,91 @@ class ArealFSDPTarget(CheckoutTarget):
         self._engine_cls = vars(holder)[CLASS]
         return self._engine_cls
 
-    def _engine(self, sp_size: int, tp_size: int, tp_group: Any, sp_group: Any, temperature: float) -> Any:
-        """An engine object holding what ``__init__`` / ``create_process_group`` set that the methods read."""
+    def _strategy_cls(self) -> Any:
+        """AReaL's FSDPParallelStrategy (with its base ParallelStrategy) compiled alone from
+        alloc_mode.py; None where the checkout has none (:attr:`strategy_why`)."""
+        import dataclasses as dc
+
+        if self.strategy_why:
+            return None
+        try:
+            with _module_for_dataclasses(ALLOC_FILE):
+                return compile_alone(self.src / ALLOC_FILE, STRATEGIES, {"dataclass": dc.dataclass,
+                                                                         "field": dc.field})[STRATEGIES[-1]]
+        except LookupError as exc:
+            raise BadInput(f"AReaL at {self.short()}: {exc}") from None
+
+    def _set_up(self, device_type: str) -> tuple[Any, Any]:
+        """``create_process_group``'s lines (a class holding only them) and the strategy class they
+        are handed, ParallelHelper compiled alone from its file with ``current_platform`` a stand-in
+        of ``device_type`` (:data:`PLATFORM_WHY`), every other name it reads bound as its file's
+        imports bind it."""
+        if device_type in self._set_up_cls:
+            return self._set_up_cls[device_type]
+        import importlib
+
+        set_up = self.group_set_up
+        assert isinstance(set_up, GroupSetUp)
+        helper_tree = FRAMEWORK.parse(self.src, set_up.helper_file)
+        node = next(n for n in helper_tree.body if isinstance(n, ast.ClassDef) and n.name == HELPER)
+        imports = module_imports(helper_tree, str(set_up.helper_file.parent).replace("/", "."))
+        given: dict[str, Any] = {}
+        for name in sorted(self._reads(set_up.helper_file, [node])):
+            mod_name, attr = imports.get(name, (None, None))
+            if name == "current_platform":
+                given[name] = types.SimpleNamespace(device_type=device_type)
+            elif mod_name is None or FRAMEWORK.owns(mod_name):
+                raise BadInput(f"AReaL at {self.short()}: {HELPER} in {set_up.helper_file} reads {name}"
+                               f"{f' from {mod_name}' if mod_name else ''}, which the adapter does not give")
+            else:
+                mod = importlib.import_module(mod_name)
+                given[name] = mod if attr is None else getattr(mod, attr)
+        try:
+            with _module_for_dataclasses(set_up.helper_file):
+                helper = compile_alone(self.src / set_up.helper_file, (HELPER,), given)[HELPER]
+        except LookupError as exc:
+            raise BadInput(f"AReaL at {self.short()}: {exc}") from None
+        cls = ast.ClassDef(name=CLASS, bases=[], keywords=[], body=[copy.deepcopy(set_up.method)],
+                           decorator_list=[], type_params=[])
+        engine = self._compile(self.src / ENGINE_FILE, cls, {HELPER: helper})
+        self._set_up_cls[device_type] = (engine, self._strategy_cls())
+        return self._set_up_cls[device_type]
+
+    def _groups(self, inputs: RankInputs) -> Any:
+        """What ``create_process_group`` leaves on the engine (parallel_helper, world_mesh, dp_group,
+        sp_group, mp_group): AReaL's own lines, building ParallelHelper's mesh (dp, sp, tp) once
+        per world and layout through the harness's framework_groups, which checks its dp, sp and
+        tp groups against the harness's. Where the checkout has no such set-up (the inline era), the
+        harness's sp and tp groups on a ParallelHelper-shaped stand-in."""
+        if not isinstance(self.group_set_up, GroupSetUp):
+            return _harness_groups(inputs.sp_size, inputs.tp_size, inputs.tp_group, inputs.sp_group)
+        import torch.distributed as dist
+
+        device_type = inputs.logits.device.type
+        set_up_cls, strategy_cls = self._set_up(device_type)
+        sp, tp = inputs.sp_size, inputs.tp_size
+        dp = dist.get_world_size() // (sp * tp)
+
+        def build() -> Any:
+            if strategy_cls is not None:  # what _make_parallel_strategy makes of a ParallelStrategy of these sizes
+                strategy = strategy_cls(tensor_parallel_size=tp, context_parallel_size=sp, data_parallel_size=dp)
+            else:
+                strategy = types.SimpleNamespace(dp_size=dp, cp_size=sp, tp_size=tp, ep_size=1, etp_size=1,
+                                                 pp_size=1, world_size=dp * sp * tp)
+            built = object.__new__(set_up_cls)
+            built.create_process_group(strategy)
+            return built
+
+        return inputs.framework_groups(
+            ("areal:fsdp", device_type, (dp, sp, tp)), build,
+            lambda b: {"dp": b.dp_group, "sp": b.sp_group, "tp": b.parallel_helper.tp_group})
+
+    def _engine(self, groups: Any, temperature: float) -> Any:
+        """An engine object holding what ``__init__`` / ``create_process_group`` set that the methods
+        read; ``groups`` what create_process_group set (:meth:`_groups`)."""
         engine = object.__new__(self._load())
-        engine.parallel_helper = types.SimpleNamespace(
-            sp_size=sp_size, tp_size=tp_size, dp_size=1, tp_group=tp_group if tp_size > 1 else None)
-        engine.sp_group = sp_group if sp_size > 1 else None
+        for attr in SET_UP_ATTRS:
+            setattr(engine, attr, getattr(groups, attr, None))
         engine.config = types.SimpleNamespace(temperature=temperature, is_critic=False)
         engine.is_vision_model = False
         engine.enable_tree_training = False
@@ -457,9 +656,10 @@ class ArealFSDPTarget(CheckoutTarget):
                                   "tensordict's TensorDict (a dict with to(device))",
                                   "the Ulysses device mesh (mesh['sp'].get_group(): the sp group) handed to AReaL's "
                                   "FSDPUlyssesShardingManager"],
+                    "process_groups": INLINE_GROUPS_WHY,
                     "framework_files": list(self.framework_files)}
         calls = {"train": "_prepare_mb_inputs, the harness's logits as the model's (squeeze(0)), "
-                          "_compute_logprobs_and_loss (loss_multiplier = dp size 1) -> _compute_logprobs_entropy "
+                          "_compute_logprobs_and_loss (loss_multiplier 1: the loss's result is dropped) -> _compute_logprobs_entropy "
                           "(gather_logprobs_entropy, _sp_all_gather, [:-ulysses_pad_size]), "
                           "_get_vocab_min_max_logits, [:-pad_length]; the loss a recorder",
                  "forward": "_prepare_mb_inputs, the harness's logits as the model's (squeeze(0)), "
@@ -470,7 +670,9 @@ class ArealFSDPTarget(CheckoutTarget):
                 "compiled_alone": [f"{CLASS}.{m}" for m in METHODS] + [CONTEXT],
                 "names_bound_from_the_engine_file's_imports": self.read_names,
                 "off_path": list(OFF_PATH),
-                "ulysses_group": "set_ulysses_sequence_parallel_group(sp group) as _ensure_ready does; restored after",
+                "ulysses_group": "set_ulysses_sequence_parallel_group(sp group) as _ensure_ready does (sp > 1); "
+                                 "restored after",
+                **self._groups_description(),
                 "micro_batch": "packed [1, T] (input_ids, position_ids per sample, loss_mask, cu_seqlens, "
                                "max_seqlen), padding_length 0 (AReaL's page pad not applied)",
                 "entropy": "-sum p log p; detached where the scenario's entropy_coef is 0, as AReaL's losses "
@@ -480,32 +682,59 @@ class ArealFSDPTarget(CheckoutTarget):
                             "they run eagerly)", "the package __init__.py files of the modules imported"],
                 "framework_files": list(self.framework_files)}
 
+    def _groups_description(self) -> dict[str, Any]:
+        set_up = self.group_set_up
+        if not isinstance(set_up, GroupSetUp):
+            return {"process_groups": f"the harness's sp and tp groups on a ParallelHelper-shaped stand-in: {set_up}"}
+        strategy = (f"AReaL's FSDPParallelStrategy (with ParallelStrategy, compiled alone from {ALLOC_FILE}) of "
+                    "tensor_parallel_size tp, context_parallel_size sp, data_parallel_size world / (sp x tp), as "
+                    "_make_parallel_strategy makes it" if not self.strategy_why else
+                    f"{self.strategy_why}: a namespace of the fields ParallelHelper reads (dp_size, cp_size = sp, "
+                    "tp_size, ep_size 1, etp_size 1, pp_size 1, world_size)")
+        return {"process_groups": f"built by AReaL's own code, once per world and layout through the harness's "
+                                  f"framework_groups (which checks its dp, sp and tp groups hold the harness's ranks): "
+                                  f"{ENGINE_FILE}: {CLASS}.{SET_UP_METHOD}'s lines {', '.join(map(str, set_up.lines))} "
+                                  f"(parallel_helper = {HELPER}.from_parallel_strategy(...), world_mesh, dp_group, "
+                                  f"sp_group = world_mesh['sp'], mp_group = world_mesh['sp_tp']) and {set_up.helper_file}: "
+                                  f"{HELPER} (compiled alone; world_mesh -> build_mesh -> init_device_mesh(device_type, "
+                                  "(dp, sp, tp), ('dp', 'sp', 'tp')) and its _flatten's); the engine's sp_group, "
+                                  "parallel_helper and its tp_group (world_mesh['tp']) are those",
+                "parallel_strategy": strategy,
+                "current_platform": PLATFORM_WHY,
+                "not_run_of_create_process_group": "its other lines: init_process_group (the harness's world is up), "
+                                                   "the gloo cpu group, the logger, dp_head / dp_rank, "
+                                                   "warmup_process_groups",
+                "data_path_groups": "the data path's _prepare_mb_inputs (handed no RankInputs) runs on the harness's "
+                                    "sp group (megatron's CP group), which framework_groups checks AReaL's matches"}
+
     # -- the computation -------------------------------------------------------------------------
     @staticmethod
-    def _gloo_group_check(inputs: RankInputs) -> None:
+    def _gloo_group_check(group: Any, sp_size: int, tp_size: int) -> None:
         """On gloo, torch's all-gather backward (which AReaL's code calls) runs only on an sp group of
         global ranks 0..sp-1; a data-parallel replica's sp group (a world larger than tp x sp) cannot
-        run it. Said before AReaL's code runs, naming torch's limitation (a capability rule cannot:
-        it does not see the world's size). BadInput: the harness's error (this world cannot run it),
-        never the target's finding."""
+        run it. ``group``: the sp group AReaL's all-gather is handed. Said before the all-gather
+        runs, naming torch's limitation (a capability rule cannot: it does not see the world's
+        size). BadInput: the harness's error (this world cannot run it), never the target's
+        finding."""
         import torch.distributed as dist
 
-        group = inputs.sp_group
-        if inputs.sp_size == 1 or group is None or dist.get_backend(group) != "gloo":
+        if sp_size == 1 or group is None or dist.get_backend(group) != "gloo":
             return
         ranks = dist.get_process_group_ranks(group)
-        if sorted(ranks) != list(range(inputs.sp_size)):
+        if sorted(ranks) != list(range(sp_size)):
             raise BadInput(f"not run: this rank's sp group is global ranks {sorted(ranks)}; {GLOO_WHY} (run a "
-                               f"world of tp x sp ranks, --nproc {inputs.sp_size * inputs.tp_size})")
+                           f"world of tp x sp ranks, --nproc {sp_size * tp_size})")
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
-        self._gloo_group_check(inputs)
         if self.era.kind == "inline":
+            self._gloo_group_check(inputs.sp_group, inputs.sp_size, inputs.tp_size)
             return self._compute_inline(inputs)
         import torch
         import torch.distributed as dist
 
-        engine = self._engine(inputs.sp_size, inputs.tp_size, inputs.tp_group, inputs.sp_group, inputs.temperature)
+        # the groups first, on every rank alike (building them is collective, as at AReaL's start-up)
+        engine = self._engine(self._groups(inputs), inputs.temperature)
+        self._gloo_group_check(engine.sp_group, inputs.sp_size, inputs.tp_size)
         ulysses = self._ulysses
         logits = inputs.logits
         device = logits.device
@@ -514,7 +743,8 @@ class ArealFSDPTarget(CheckoutTarget):
         source = inputs.rollout.tokens if inputs.rollout is not None else inputs.tokens
         mb_item, mb = self.micro_batch(list(source), lengths, responses, device)
         cu = mb["cu_seqlens"]
-        group = engine.sp_group
+        # _ensure_ready sets the Ulysses group only at sp > 1
+        group = engine.sp_group if engine.parallel_helper.sp_size > 1 else None
         if group is not None and dist.get_rank(group=group) != inputs.sp_rank:
             raise RuntimeError(f"shardcheck's areal:fsdp adapter: sp rank {inputs.sp_rank} is rank "
                                f"{dist.get_rank(group=group)} of its sp group")

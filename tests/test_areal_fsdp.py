@@ -187,3 +187,27 @@ def test_the_ulysses_all_gather_fix_fails_at_its_parent_and_passes_at_the_fix(wo
     assert parent["ulysses-sp2-even"]["verdict"] == "pass", said["parent"].stdout[-3000:]
     assert said["parent"].report["target"]["era"]["kind"] == "inline"
     assert said["fix"].exit_code == 0, said["fix"].stdout[-3000:]
+
+
+@needs_areal
+@pytest.mark.world
+def test_the_engines_groups_are_built_by_areals_own_parallel_helper():
+    """sp 2, traced: AReaL's create_process_group lines build ParallelHelper's mesh (dp, sp, tp) in
+    the framework groups set-up (its barrier and the harness's check of the groups against its
+    own), and the engine's _sp_all_gather runs on that mesh's sp group [0, 1]. A 2-rank world of
+    its own: the session's worlds keep the mesh the tests above built, and build none again. A
+    few seconds."""
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import SilentReport
+    from shardcheck.harness.controller.worlds.spawned import SpawnedWorld
+
+    with SpawnedWorld(2, timeout=20) as fresh:
+        result = runner.run([Scenario.from_dict(EXTRA[0])], SPEC, reporter=SilentReport(), world=fresh, trace=True)
+    assert result.exit_code == 0, [v.headline() for v in result.verdicts]
+    calls = [c for trace in result.verdicts[0].traces.values() for c in trace]
+    set_up = [c for c in calls if c["phase"] == "framework groups set-up"]
+    assert {c["op"] for c in set_up} >= {"barrier", "all_gather"}, set_up
+    gathers = {tuple(c["ranks"]) for c in calls if c["op"] == "all_gather" and str(ENGINE_FILE) in c["site"]}
+    assert gathers == {(0, 1)}, calls
+    described = resolve("areal:fsdp", TargetConfig(None)).description()["process_groups"]
+    assert described.startswith("built by AReaL's own code") and "ParallelHelper" in described, described
