@@ -27,9 +27,17 @@ pushes a position-encoded batch through ``unpad_and_slice_tensor`` (ring, thd; b
 batch as it is) and learns from what comes out which (sample, position) each local row holds; the
 logits arrive in those rows.
 
-The ring group is set as OpenRLHF's strategy sets it (``set_ring_attn_group``, the harness's sp
-group). ``update_ring_attn_params`` (it hands ``cu_seqlens`` to ring_flash_attn's attention kernel,
-which is the model's, not checked here) is replaced by a recorder; what it was handed is in the
+The ring group is OpenRLHF's own: ``DeepspeedStrategy``'s lines that build its DeviceMesh
+(``setup_distributed``: ``dp_size`` and ``init_device_mesh("cuda", (dp, ring, tp),
+mesh_dim_names=("dp", "sp", "tp"))``) and set the group from it (``setup_ring_attn`` up to
+``set_ring_attn_group(mesh["sp"].get_group())``), compiled alone from ``deepspeed.py`` on a
+stand-in strategy, the mesh built once per world through the harness's ``framework_groups`` (its
+groups checked against the harness's). The one change to those lines: ``"cuda"`` is the world's
+device type (:data:`MESH_STAND_IN`). The rest of ``setup_ring_attn`` patches transformers'
+attention for ring_flash_attn: the model's attention, not run here. A checkout without those lines
+(before #996) gets the harness's sp group, set with ``set_ring_attn_group``.
+``update_ring_attn_params`` (it hands ``cu_seqlens`` to ring_flash_attn's attention kernel, which
+is the model's, not checked here) is replaced by a recorder; what it was handed is in the
 notes. flash_attn (``bert_padding``'s ``unpad_input``, ``pad_input``, ``index_first_axis``,
 einops' ``rearrange`` and ``utils.distributed``'s ``all_gather``) runs where it is installed; where
 it is not (a CPU), torch-only stand-ins of the same semantics are given (:data:`STAND_INS`): the
@@ -69,6 +77,7 @@ from shardcheck.targets.source import Framework
 RING_FILE = "openrlhf/models/ring_attn_utils.py"
 UTILS_FILE = "openrlhf/models/utils.py"
 ACTOR_FILE = "openrlhf/models/actor.py"
+DEEPSPEED_FILE = "openrlhf/utils/deepspeed/deepspeed.py"
 RING_FUNCTIONS = ("set_ring_attn_group", "get_ring_attn_group", "get_tensor_in_current_ring_attn_rank",
                   "unpad_and_slice_tensor", "gather_and_pad_tensor")
 UTILS_FUNCTIONS = ("_logsumexp_by_chunk", "log_probs_from_logits", "compute_entropy")
@@ -207,6 +216,9 @@ class OpenRLHFEra:
     entropy_compiled: bool  # compute_entropy is decorated (@torch.compile)
     temperature_in_log_probs: bool  # log_probs_from_logits takes temperature (#857, 45898fd7, on)
     entropy_temperature: bool  # compute_entropy takes a temperature (not at the pin)
+    # DeepspeedStrategy builds its DeviceMesh (dp, sp, tp) and takes the ring group from it (#996,
+    # f5b45490, on): the ring group comes from those lines (mesh_lines)
+    strategy_mesh: bool = False
 
 
 def _defs(tree: ast.Module | None) -> dict[str, Any]:
@@ -238,7 +250,106 @@ def detect_era(src: Any) -> OpenRLHFEra:
         entropy_compiled=any("compile" in ast.unparse(d) for d in entropy.decorator_list),
         temperature_in_log_probs="temperature" in _params(utils["log_probs_from_logits"]),
         entropy_temperature="temperature" in _params(entropy),
+        strategy_mesh=mesh_lines(src)[0] is not None,
     )
+
+
+# -- DeepspeedStrategy's mesh and ring group, lifted --------------------------------------------------
+# deepspeed.py imports deepspeed, transformers and peft at its top: the lines that build the mesh and
+# set the ring group are lifted out of their methods alone, their def lines and line numbers kept.
+
+STRATEGY = "DeepspeedStrategy"
+# what the lifted lines read from outside themselves (the rest of setup_distributed is DeepSpeed's
+# start-up, not lifted)
+MESH_GIVEN = ("dist", "init_device_mesh", "set_ring_attn_group", "timedelta")
+MESH_STAND_IN = ('init_device_mesh\'s device "cuda" (setup_distributed) replaced by the world\'s device type (the '
+                 'logits\': "cpu" on a gloo world; unchanged on a CUDA one): that one string constant of the lifted '
+                 "lines, nothing else of them changed")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLines:
+    """setup_distributed and setup_ring_attn, each its own def with its body cut to the lines lifted."""
+
+    module: ast.Module
+    lines: str  # where they are, for the report ("deepspeed.py:103-108, 119-126")
+
+    def key(self) -> str:
+        """The lines' own text, hashed: the mesh they built is kept for the world's life, and only
+        the same lines (another instance of this target, the same commit) may take it over."""
+        import hashlib
+
+        return hashlib.sha1(ast.unparse(self.module).encode()).hexdigest()[:12]
+
+
+def _is_call(node: ast.AST, name: str) -> bool:
+    """Whether ``node`` is a call of ``name`` (a bare name or ``self.name``)."""
+    return isinstance(node, ast.Call) and ((isinstance(node.func, ast.Name) and node.func.id == name) or
+                                           (isinstance(node.func, ast.Attribute) and node.func.attr == name))
+
+
+def _calls(stmt: ast.AST, name: str) -> bool:
+    return any(_is_call(n, name) for n in ast.walk(stmt))
+
+
+def _device(module: ast.AST) -> ast.Constant | None:
+    """init_device_mesh's device where it is the literal "cuda": the one node the stand-in replaces."""
+    call = next((n for n in ast.walk(module) if _is_call(n, "init_device_mesh")), None)
+    first = call.args[0] if call is not None and call.args else None
+    return first if isinstance(first, ast.Constant) and first.value == "cuda" else None
+
+
+def _assigns(stmt: ast.stmt, names: tuple[str, ...]) -> bool:
+    return isinstance(stmt, ast.Assign) and any(
+        (isinstance(t, ast.Name) and t.id in names) or (isinstance(t, ast.Attribute) and t.attr in names)
+        for t in stmt.targets)
+
+
+def mesh_lines(src: Any) -> tuple[MeshLines | None, str]:
+    """DeepspeedStrategy's mesh lines in the checkout (setup_distributed's ``self.world_size``,
+    ``dp_size``, ``init_device_mesh("cuda", (dp, ring, tp), mesh_dim_names=("dp", "sp", "tp"))`` and
+    ``self.setup_ring_attn(mesh)``; setup_ring_attn up to and including ``set_ring_attn_group(group)``),
+    or None and why not (an older tree: the harness's sp group is then set, as before)."""
+    import copy
+    import symtable
+
+    from shardcheck.targets.compiled import names_read
+
+    tree = FRAMEWORK.parse(src, DEEPSPEED_FILE)
+    strategy = next((n for n in (tree.body if tree else []) if isinstance(n, ast.ClassDef) and n.name == STRATEGY),
+                    None)
+    if strategy is None:
+        return None, f"no {STRATEGY} in {DEEPSPEED_FILE}" if tree else f"no {DEEPSPEED_FILE}"
+    methods = {n.name: n for n in strategy.body if isinstance(n, ast.FunctionDef)}
+    distributed, ring = methods.get("setup_distributed"), methods.get("setup_ring_attn")
+    if distributed is None or ring is None:
+        return None, f"{STRATEGY} has no setup_distributed / setup_ring_attn"
+    body = distributed.body
+    mesh = next((i for i, s in enumerate(body) if _calls(s, "init_device_mesh")), None)
+    call = next((i for i, s in enumerate(body) if mesh is not None and i > mesh and _calls(s, "setup_ring_attn")), None)
+    if mesh is None or call is None:
+        return None, f"{STRATEGY}.setup_distributed builds no init_device_mesh handed to setup_ring_attn"
+    start = mesh
+    while start > 0 and _assigns(body[start - 1], ("world_size", "dp_size")):
+        start -= 1
+    setter = next((i for i, s in enumerate(ring.body) if _calls(s, "set_ring_attn_group")), None)
+    if setter is None:
+        return None, f"{STRATEGY}.setup_ring_attn calls no set_ring_attn_group"
+    distributed, ring = copy.deepcopy(distributed), copy.deepcopy(ring)
+    distributed.body, ring.body = distributed.body[start:call + 1], ring.body[:setter + 1]
+    module = ast.Module(body=[distributed, ring], type_ignores=[])
+    if _device(module) is None:
+        return None, f"{STRATEGY}.setup_distributed's init_device_mesh is not on the literal device \"cuda\""
+    table = symtable.symtable(ast.unparse(module), DEEPSPEED_FILE, "exec")
+    # the defaults (setup_distributed's timeout=timedelta(...)) are read at module level
+    read = {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()}
+    read |= set().union(*(names_read(child) for child in table.get_children()))
+    unknown = sorted(read - set(MESH_GIVEN) - set(dir(__import__("builtins"))))
+    if unknown:
+        return None, f"{STRATEGY}'s mesh lines read {', '.join(unknown)}, which the target does not give"
+    where = (f"{DEEPSPEED_FILE}:{distributed.body[0].lineno}-{distributed.body[-1].end_lineno}, "
+             f"{ring.body[0].lineno}-{ring.body[-1].end_lineno}")
+    return MeshLines(module, where), ""
 
 
 def _torch_without_compile() -> Any:
@@ -308,7 +419,9 @@ class OpenRLHFDataPath:
     (compiled alone from the checkout: the batch unpadded into one packed stream and, with a ring
     group, ``get_tensor_in_current_ring_attn_rank``'s pad and contiguous slice); under bshd the
     right-padded batch itself. The ring group is megatron-core's context-parallel group (the
-    harness's sp group) at sp > 1, set with OpenRLHF's ``set_ring_attn_group`` and put back after;
+    harness's sp group) at sp > 1, set with OpenRLHF's ``set_ring_attn_group`` and put back after
+    (the slicing calls no collective: it reads the group's rank and size only, alike in the
+    strategy mesh's sp group that compute uses, checked to hold the same ranks);
     ``update_ring_attn_params`` is the target's recorder."""
 
     name = PACKED_NAME
@@ -365,6 +478,10 @@ class OpenRLHFTarget(CheckoutTarget):
             reasons=(("tp", TP_WHY), ("cp", CP_WHY), ("replay_keep", REPLAY_WHY), ("sampling", SAMPLING_WHY)),
             rule=self._rule)
         self._ns: dict[str, Any] | None = None
+        self.mesh, self.mesh_why = mesh_lines(self.src)
+        if self.mesh is not None:
+            self.framework_files = (*self.framework_files, DEEPSPEED_FILE)
+        self._strategies: dict[str, type] = {}  # per device type: the lifted DeepspeedStrategy
         self.cu_seqlens: list[list[int]] = []
         self.data_path = OpenRLHFDataPath(self._namespace)
 
@@ -378,6 +495,7 @@ class OpenRLHFTarget(CheckoutTarget):
         if self._ns is not None:
             self._ns["set_ring_attn_group"](None)
         self._ns = None
+        self._strategies.clear()  # their setup_ring_attn sets the namespace just dropped
 
     def description(self) -> dict[str, Any]:
         compiled = self.torch_compile or not self.era.entropy_compiled
@@ -385,9 +503,9 @@ class OpenRLHFTarget(CheckoutTarget):
                    "compute_entropy run eagerly, its @torch.compile applied as the identity (torch.compile's "
                    "import costs seconds a rank; --target-opt torch_compile=true runs it compiled)")
         return {
-            "calls": ("Actor.forward(sequences, action_mask, attention_mask=, return_output=True, ring_attn_group=sp "
-                      "group (None for thd and bshd), return_entropy=with_entropy) with packing_samples=True (ring, "
-                      "thd) or False (bshd), compiled alone "
+            "calls": ("Actor.forward(sequences, action_mask, attention_mask=, return_output=True, ring_attn_group=the "
+                      "ring group (None for thd and bshd), return_entropy=with_entropy) with packing_samples=True "
+                      "(ring, thd) or False (bshd), compiled alone "
                       f"from {ACTOR_FILE}; inside it unpad_and_slice_tensor, get_tensor_in_current_ring_attn_rank and "
                       f"gather_and_pad_tensor ({RING_FILE}), {entropy} and log_probs_from_logits ({UTILS_FILE})"),
             "batch": ("each sample prompt + response, right-padded to [B, S] (zero_pad_sequences), action_mask "
@@ -397,7 +515,7 @@ class OpenRLHFTarget(CheckoutTarget):
                           f"and {BSHD_NAME} (bshd): the rows learned through the position trace"),
             "model": ("a stand-in handing back the rank's given logits, after checking the token ids OpenRLHF hands it "
                       "are the rows the data path laid out"),
-            "ring_group": "set_ring_attn_group(sp group), as DeepspeedStrategy.setup_ring_attn does",
+            "ring_group": self._ring_group_described(),
             "update_ring_attn_params": "replaced by a recorder (ring_flash_attn's attention is the model's)",
             "flash_attn": ("installed: its bert_padding, utils.distributed.all_gather and (in log_probs_from_logits) "
                            "triton cross entropy run" if flash_attn_installed() else
@@ -405,7 +523,21 @@ class OpenRLHFTarget(CheckoutTarget):
             "entropy_coef_0": "the entropy returned detached (OpenRLHF logs it, its loss leaves it out)",
             "chunk_size": "not taken: OpenRLHF's logsumexp runs in chunks of 1024 rows of its own",
             "framework_files": list(self.framework_files),
+            **({"stand_ins": [MESH_STAND_IN]} if self.mesh is not None else {}),
         }
+
+    def _ring_group_described(self) -> str:
+        if self.mesh is None:
+            return (f"set_ring_attn_group(the harness's sp group), as DeepspeedStrategy.setup_ring_attn does ("
+                    f"{self.mesh_why}: the checkout's strategy builds no mesh this target lifts)")
+        return (f"OpenRLHF's own DeepspeedStrategy lines ({self.mesh.lines}), compiled alone on a stand-in strategy "
+                "(world_size, ring_attn_size = sp, ds_tensor_parallel_size = 1): setup_distributed's dp_size and "
+                "init_device_mesh(..., (dp_size, ring_attn_size, tp), mesh_dim_names=(\"dp\", \"sp\", \"tp\")), "
+                "once per world and layout through the harness's framework_groups (its dp, sp and tp groups checked "
+                "against the harness's), then setup_ring_attn up to set_ring_attn_group(mesh[\"sp\"].get_group()) "
+                "before every ring call; the rest of setup_ring_attn (ring_flash_attn's patch of transformers' "
+                "attention) is the model's attention, not run here; ring layout only (at sp 1 setup_ring_attn sets "
+                "nothing and thd / bshd take no group)")
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -446,6 +578,64 @@ class OpenRLHFTarget(CheckoutTarget):
         self._ns = {**ring, "Actor": actor["Actor"], "compute_entropy": entropy}
         return self._ns
 
+    def _strategy(self, device_type: str) -> type:
+        """DeepspeedStrategy with the two lifted methods, init_device_mesh on ``device_type``
+        (MESH_STAND_IN), compiled against this target's namespace (its set_ring_attn_group)."""
+        if device_type in self._strategies:
+            return self._strategies[device_type]
+        import __future__
+        import copy
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert self.mesh is not None
+        module = copy.deepcopy(self.mesh.module)
+        device = _device(module)
+        assert device is not None  # mesh_lines found it
+        device.value = device_type
+        path = self.src / DEEPSPEED_FILE
+        given = {"dist": dist, "init_device_mesh": init_device_mesh, "timedelta": timedelta,
+                 "set_ring_attn_group": self._namespace()["set_ring_attn_group"]}
+        namespace: dict[str, Any] = {"__name__": "shardcheck_compiled_deepspeed", "__file__": str(path), **given}
+        code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        exec(code, namespace)  # noqa: S102 - OpenRLHF's own lines, from its file
+        strategy = type(STRATEGY, (), {"setup_distributed": namespace["setup_distributed"],
+                                       "setup_ring_attn": namespace["setup_ring_attn"]})
+        self._strategies[device_type] = strategy
+        return strategy
+
+    def _ring_group(self, inputs: RankInputs) -> Any:
+        """The ring group as OpenRLHF's strategy sets it (``set_ring_attn_group``) and its actor is
+        handed it (``strategy.ring_attn_group``, i.e. ``get_ring_attn_group()``): from the checkout's
+        own mesh lines where it has them, else the harness's sp group."""
+        ns = self._namespace()
+        if self.mesh is None or inputs.world is None:  # no mesh lines, or no harness to build groups with
+            ns["set_ring_attn_group"](inputs.sp_group)  # DeepspeedStrategy.setup_ring_attn
+            return inputs.sp_group
+        import torch.distributed as dist
+
+        cls = self._strategy(inputs.logits.device.type)
+        world = dist.get_world_size()
+        shape = (world // inputs.sp_size, inputs.sp_size, 1)
+
+        def build() -> Any:
+            strategy = cls()
+            strategy.world_size, strategy.ring_attn_size, strategy.ds_tensor_parallel_size = world, inputs.sp_size, 1
+            strategy.setup_distributed()
+            return strategy
+
+        strategy = inputs.framework_groups(
+            ("openrlhf", shape, self.mesh.key()), build,
+            lambda s: {role: s.ds_device_mesh[role].get_group() for role in ("dp", "sp", "tp")})
+        # the mesh is kept for the world's life, but the group OpenRLHF's functions read is this
+        # namespace's global, which thd / bshd scenarios, the data path and forget() set in
+        # between (and the mesh may have been built by another instance of this target): its own
+        # setup_ring_attn, from this instance's lines, sets it again
+        cls.setup_ring_attn(strategy, strategy.ds_device_mesh)
+        return ns["get_ring_attn_group"]()
+
     # ---- the call ---------------------------------------------------------------------------
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
@@ -453,8 +643,9 @@ class OpenRLHFTarget(CheckoutTarget):
         logits = inputs.logits
         device = logits.device
         ring, packed = inputs.layout == "ring", inputs.layout != "bshd"
-        group = inputs.sp_group if ring else None
-        ns["set_ring_attn_group"](group)  # DeepspeedStrategy.setup_ring_attn
+        group = self._ring_group(inputs) if ring else None
+        if not ring:
+            ns["set_ring_attn_group"](None)  # ring_attn_size 1: no ring group
         rollout = inputs.rollout  # the real batch its data path laid out (the logits are in its rows)
         # the experience maker's batch: prompt + response per sample, right-padded (pad id 0)
         sequences, attention_mask, action_mask = right_padded_batch(

@@ -87,6 +87,8 @@ def test_era_and_capabilities_of_a_checkout(tmp_path):
     built = target(None, TargetConfig(str(_fake_checkout(tmp_path))))
     assert built.name == "openrlhf" and built.capabilities.layouts == {"ring", "thd", "bshd"}
     assert built.era.entropy_compiled and built.era.temperature_in_log_probs and not built.era.entropy_temperature
+    # no deepspeed.py: no mesh lines to lift, the harness's sp group is the ring group
+    assert not built.era.strategy_mesh and "the harness's sp group" in built.describe()["ring_group"]
     why = built.capabilities.skip_reason
     assert why(_scenario("sequence_parallel", "ulysses-sp2-padded")) == LAYOUT_WHY["ulysses"]
     assert why(_scenario("smoke", "zigzag-tp1cp2-basic")) == LAYOUT_WHY["zigzag"]
@@ -217,3 +219,26 @@ def test_the_finding_goes_with_the_entropy_scaled_first(world, tmp_path, monkeyp
     verdicts = {v["name"]: v for v in report["scenarios"]}
     assert verdicts["ring-bf16"]["verdict"] == "pass", verdicts["ring-bf16"]["failures"]
     assert verdicts[ring.name]["kinds"] == ["input_mutated"]  # float32: the model's logits divided in place
+
+
+@needs_openrlhf
+@pytest.mark.world
+def test_the_ring_group_comes_from_openrlhfs_own_device_mesh(world2):
+    """The ring group is built by OpenRLHF's own DeepspeedStrategy lines (init_device_mesh (dp, sp,
+    tp), then setup_ring_attn's set_ring_attn_group(mesh["sp"].get_group())), through the harness's
+    framework_groups. On the 2-rank world (the 4-rank one may hold this mesh from an earlier test:
+    it is built once per world and layout) a traced ring sp 2 at T 1 (no known bug) passes, the
+    set-up's barrier and its check of the groups in the phase "framework groups set-up"."""
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.harness.controller.reports.run_report import SilentReport
+
+    ring = dataclasses.replace(_scenario("sequence_parallel", "ring-sp2-temperature"), name="ring-t1-mesh",
+                               temperature=1.0)
+    result = runner.run([ring], "openrlhf", reporter=SilentReport(), world=world2, trace=True)
+    (verdict,) = result.verdicts
+    assert verdict.status == "pass", verdict.headline()
+    calls = [c for trace in verdict.traces.values() for c in trace]
+    set_up = [c for c in calls if c["phase"] == "framework groups set-up"]
+    assert {c["op"] for c in set_up} >= {"barrier", "all_gather"}, set_up
+    assert {tuple(c["ranks"]) for c in calls if c["op"] == "all_gather_into_tensor"} == {(0, 1)}
+    assert openrlhf.DEEPSPEED_FILE in target(None, TargetConfig(OPENRLHF_SRC)).describe()["ring_group"]
