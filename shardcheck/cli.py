@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from shardcheck import check_commands, info_commands, preflight  # noqa: F401  (registers the commands)
+from shardcheck import check_commands, info_commands, preflight, sweep_command  # noqa: F401  (registers the commands)
 from shardcheck.check_commands import bisect_state  # noqa: F401  (as before: tests and scripts import it here)
 from shardcheck.command import (COMMANDS, EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERRUPTED,  # noqa: F401
                                 EXIT_NOTHING_CHECKED, EXIT_OK, EXIT_TERMINATED, INPLACE_HELP, Terminated)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ BASES = {
     "run": [],
     "invariance": ["--scenario", "thd-tp1cp1-basic"],
     "bisect": ["--src-repo", "{tmp}", "--target", "slime", "--good", "HEAD~3", "--bad", "HEAD"],
+    "sweep": ["--src-repo", "{tmp}/repo", "--target", "slime"],
     "fuzz": [],
     "simulate": [],
     "repro": ["--target", "builtin", "--scenario", "thd-tp1cp1-basic", "--out", "{tmp}/repro.py"],
@@ -72,7 +74,7 @@ def _value(action: argparse.Action, base: list[str], tmp: Path) -> list[str]:
         return [str(tmp / "repo")]
     values = {
         "target": ["builtin:skip_empty_rank", "slime:policy_loss"],
-        "suite": ["regressions", "smoke"],
+        "suite": ["logprob", "regressions", "smoke"],
         "scenario": [n for n in names if n not in given],
         "scenario_file": [str(tmp / "scenarios.json")],
         "target_src": [str(tmp)],
@@ -82,7 +84,7 @@ def _value(action: argparse.Action, base: list[str], tmp: Path) -> list[str]:
         "out": [str(tmp / "out.json")],
         "html": [str(tmp / "other.html")],
         "report": [str(tmp / "report.json")],
-        "src_repo": [str(tmp / "repo")],
+        "src_repo": [str(tmp / "repo"), str(tmp / "repo2")],
         "axis": ["rerun"],
         "expect": ["packing=bitwise"],
         "tp": ["1,2"],
@@ -92,6 +94,13 @@ def _value(action: argparse.Action, base: list[str], tmp: Path) -> list[str]:
         "good": ["HEAD~2"],
         "bad": ["HEAD~1"],
         "timeout": ["30"],
+        "since": ["2025-06-01"],
+        "revisions": ["HEAD~1..HEAD"],
+        "files": ["slime/backends/megatron_utils/loss.py"],
+        "cache": [str(tmp / "cache")],
+        "jobs": ["2"],
+        "tags": ["v*"],
+        "json": [str(tmp / "sweep.json")],
     }
     if dest in values:
         return [_other(values[dest], given[0] if given else action.default)]
@@ -138,6 +147,12 @@ def _files(tmp: Path) -> None:
     # the first smoke scenario's name, other samples: a file is not the suite it was taken from
     (tmp / "scenarios.json").write_text(json.dumps([smoke[0].to_dict() | {"seed": 7}]))
     (tmp / "report.json").write_text(json.dumps({"scenarios": [{"name": smoke[0].name, "target": "builtin"}]}))
+    # a git clone with one commit: what sweep's --src-repo must be before it plans anything
+    for repo in (tmp / "repo", tmp / "repo2"):
+        repo.mkdir(exist_ok=True)
+        git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+        subprocess.run(["git", "init", "-q", str(repo)], check=True)
+        subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "one"], check=True)
 
 
 def test_every_command_has_a_base_line():

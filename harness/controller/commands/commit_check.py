@@ -1,0 +1,96 @@
+"""One commit of a framework's history checked: exported with ``git archive`` into a scratch
+folder of its own (the user's clone and its ``.git`` are only read), the scenarios run there on a
+world kept for a series of commits, the verdicts turned into cells (sweep and its workers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.harness.controller.reports.sweep_timeline import CANNOT_RUN, Cell, cells_of
+from shardcheck.scenarios.scenario import Scenario
+from shardcheck.targets.source import EXPORTED_COMMIT
+
+GIT_TIMEOUT_S = 120.0
+EXPORT_FAILED = "cannot be exported"
+
+
+def export(repo: str | Path, sha: str, into: Path) -> str | None:
+    """The commit's tree written into ``into`` (with its hash beside it, where targets.source reads
+    an exported tree's commit); None, or why it cannot be exported."""
+    try:
+        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", sha], capture_output=True,
+                                 timeout=300)
+        if archive.returncode != 0:
+            return archive.stderr.decode(errors="replace").strip()[:200] or "git archive failed"
+        into.mkdir(parents=True, exist_ok=True)
+        untar = subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, capture_output=True, timeout=300)
+        if untar.returncode != 0:
+            return untar.stderr.decode(errors="replace").strip()[:200] or "tar failed"
+    except subprocess.TimeoutExpired as exc:
+        return f"exporting took over {exc.timeout:.0f} s"
+    (into / EXPORTED_COMMIT).write_text(sha + "\n")
+    return None
+
+
+def scenario_key(sc: Scenario) -> str:
+    return hashlib.sha256(json.dumps(sc.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class CommitCheck:
+    """Checks commits on one world kept for their whole series, each in a scratch folder of its own
+    under ``scratch`` (removed after its run)."""
+
+    repo: Path
+    scenarios: Sequence[Scenario]
+    config: Any  # RunConfig
+    world: Any
+    scratch: Path
+    timeout: float = 60.0
+    runs: int = 0  # scenarios run (not taken from the cache): what a resumed sweep saves
+
+    def __call__(self, sha: str, names: Sequence[str]) -> dict[str, Cell]:
+        from shardcheck.harness.controller.commands import runner
+        from shardcheck.harness.controller.reports.run_report import SilentReport
+
+        todo = [sc for sc in self.scenarios if sc.name in set(names)]
+        tree = Path(tempfile.mkdtemp(prefix=f"{sha[:10]}-", dir=self.scratch))
+        try:
+            why = export(self.repo, sha, tree)
+            if why is not None:
+                return {sc.name: Cell(CANNOT_RUN, why=f"{EXPORT_FAILED}: {why}") for sc in todo}
+            try:
+                world = self.world.get() if isinstance(self.world, Lazy) else self.world
+                result = runner.run(todo, self.config.target, reporter=SilentReport(), world=world,
+                                    timeout=self.timeout, config=self.config.with_source(str(tree)))
+            except BadInput as exc:  # the target cannot be built at this commit (its era, its files)
+                why = str(exc).replace(str(tree), f"<{sha[:10]}>")[:300]
+                return {sc.name: Cell(CANNOT_RUN, why=why) for sc in todo}
+            self.runs += len(todo)
+            # the scratch tree's path means nothing after it is gone: the commit names it
+            return {n: dataclasses.replace(c, why=c.why.replace(str(tree), f"<{sha[:10]}>"))
+                    for n, c in cells_of(result.verdicts).items()}
+        finally:
+            shutil.rmtree(tree, ignore_errors=True)
+
+
+class Lazy:
+    """A value made at its first use."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make, self._value = make, None
+
+    def get(self) -> Any:
+        if self._value is None:
+            self._value = self._make()
+        return self._value

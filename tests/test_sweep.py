@@ -1,0 +1,200 @@
+"""``shardcheck sweep``: the timeline from tables of cells (no world); on a throwaway git history of a
+fake slime (test_bisect's: its log-prob function delegates to the builtin), one bug planted and
+fixed, one commit that cannot be imported and one that touches no file the target reaches: the
+sweep end to end on a real world, its cache, its reports, the clone left as it was, Ctrl-C, and bad
+input in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from shardcheck.harness.controller.commands import sweep as engine
+from shardcheck.harness.controller.reports.sweep_timeline import (CANNOT_RUN, FAIL, PASS, SKIP, Cell, Commit,
+                                                                  SweepResult, message_key, timeline)
+from test_bisect import LOSS, _commit
+
+SCENARIO = ["--suite", "smoke", "--scenario", "thd-tp1cp1-basic"]
+
+
+def _result(table: dict[str, list[Cell]]) -> SweepResult:
+    n = len(next(iter(table.values())))
+    commits = [Commit(f"{i:040x}", f"2025-07-{i + 1:02d}T00:00:00+00:00", f"c{i}") for i in range(n)]
+    cells = {c.sha: {name: row[i] for name, row in table.items()} for i, c in enumerate(commits)}
+    return SweepResult(commits, list(table), cells)
+
+
+BUG = Cell(FAIL, (("value_mismatch", "forward", "log_probs sample # token #"),))
+HANG = Cell(FAIL, (("collective_mismatch", "backward", "cp group [#, #] call #"),))
+OK, NO, SKIPPED = Cell(PASS), Cell(CANNOT_RUN, why="cannot be imported"), Cell(SKIP, why="no such layout")
+
+
+def test_an_interval_ends_at_the_first_good_commit_and_one_still_failing_is_open():
+    result = _result({"a": [OK, BUG, BUG, OK, HANG], "b": [OK, OK, OK, OK, OK]})
+    fixed, still = timeline(result)
+    assert (fixed.first_bad.subject, fixed.last_bad.subject, fixed.first_good.subject) == ("c1", "c2", "c3")
+    assert still.open and still.first_bad.subject == "c4" and still.signature.kind == "collective_mismatch"
+
+
+def test_a_commit_that_cannot_run_or_skips_neither_ends_nor_starts_an_interval():
+    """Inside a failing run, a commit that cannot run is unknown, never a pass; before one, it makes
+    the start inexact ("or earlier")."""
+    (iv,) = timeline(_result({"a": [OK, BUG, NO, SKIPPED, BUG, OK]}))
+    assert (iv.first_bad.subject, iv.first_good.subject) == ("c1", "c5")
+    assert [c.subject for c in iv.unknown] == ["c2", "c3"] and not iv.before_unknown
+    (late,) = timeline(_result({"a": [OK, NO, BUG]}))
+    assert late.first_bad.subject == "c2" and late.before_unknown
+    assert timeline(_result({"a": [NO, NO, OK]})) == []
+
+
+def test_the_signature_keeps_what_went_wrong_and_drops_what_varies_by_rank_and_run():
+    one = message_key("cp group [0, 1] call 0: rank 0 finished the scenario after 0 calls; rank 1 all_reduce at x.py:3")
+    other = message_key("cp group [2, 3] call 0: rank 2 finished the scenario after 0 calls")
+    assert one == other == "cp group [#, #] call #"
+    assert message_key("log_probs sample 1 token 3: got -0.25, want -0.75 (2 ulps)") == "log_probs sample # token #"
+    assert message_key("entropy sample 1 token 3: got 1") != message_key("log_probs sample 1 token 3: got 1")
+
+
+@pytest.fixture
+def history(tmp_path):
+    """c1 correct, c2 does not import, c3 correct, c4 plants a bug (tagged v1), c5 touches only a
+    README, c6 fixes the bug (tagged v2)."""
+    repo = tmp_path / "fake-slime"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    for pkg in ("slime", "slime/backends", "slime/backends/megatron_utils"):
+        (repo / pkg).mkdir(parents=True, exist_ok=True)
+        (repo / pkg / "__init__.py").write_text("")
+    good = LOSS.format(bug="0.0")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    c = {"c1": _commit(repo, "c1 correct", good), "c2": _commit(repo, "c2 does not import", good + "\ndef broken(:\n"),
+         "c3": _commit(repo, "c3 correct again", good + "\n# tidy\n"),
+         "c4": _commit(repo, "c4 plants a bug", LOSS.format(bug="0.5"))}
+    subprocess.run(git + ["tag", "v1"], check=True)
+    (repo / "README").write_text("unrelated\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "c5 readme"], check=True)
+    c["c6"] = _commit(repo, "c6 fixes the bug", good + "\n# fixed\n")
+    subprocess.run(git + ["tag", "-a", "v2", "-m", "release 2"], check=True)
+    return repo, c
+
+
+def _state(repo: Path) -> tuple[str, str, list[str]]:
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--ignored"], capture_output=True,
+                            text=True).stdout
+    refs = subprocess.run(["git", "-C", str(repo), "show-ref"], capture_output=True, text=True).stdout
+    return status, refs, sorted(str(p.relative_to(repo)) for p in repo.rglob("*") if ".git" not in p.parts)
+
+
+def _scratch() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("shardcheck-sweep-*")}
+
+
+def test_the_sweep_finds_the_bug_from_its_commit_to_its_fix_and_a_second_sweep_runs_nothing(history, tmp_path):
+    """End to end on a real world: 5 commits selected (c5 touches no reached file), c4 -> c6 the one
+    interval, carried by release v1 and not v2, c2 shown as cannot run; every cell in the JSON, the
+    HTML's cells link to their replay and repro lines; the clone unchanged, no scratch folder left.
+    The same sweep again takes every cell from the cache and starts no world."""
+    repo, c = history
+    before, scratch = _state(repo), _scratch()
+    out_json, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
+    cache = ["--cache", str(tmp_path / "cache")]
+    res = run_cli("sweep", "--target", "slime", "--src-repo", str(repo), *SCENARIO, *cache, "--tags",
+                  "--json", str(out_json), "--html", str(page), timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(out_json.read_text())
+    assert [x["subject"] for x in doc["commits"]] == ["c1 correct", "c2 does not import", "c3 correct again",
+                                                      "c4 plants a bug", "c6 fixes the bug"]
+    states = [x["cells"]["thd-tp1cp1-basic"]["state"] for x in doc["commits"]]
+    assert states == [PASS, CANNOT_RUN, PASS, FAIL, PASS], states
+    (iv,) = doc["intervals"]
+    assert (iv["first_bad"]["sha"], iv["first_good"]["sha"]) == (c["c4"], c["c6"]) and iv["releases"] == ["v1"]
+    assert doc["cells_run"] == 5
+    assert f"fixed at {c['c6'][:10]}" in res.stdout and "releases: v1" in res.stdout
+    assert "could not run at all (never counted as passes)" in res.stdout
+    html = page.read_text()
+    assert html.count("<td class=fail") == 1 and html.count("<td class=cannot") == 1
+    assert f"shardcheck repro --target slime --target-src /tmp/shardcheck-{c['c4'][:10]}" in html
+    assert "[1/5]" in res.stderr and c["c1"][:10] in res.stderr
+    assert _state(repo) == before and _scratch() == scratch
+
+    again = run_cli("sweep", "--target", "slime", "--src-repo", str(repo), *SCENARIO, *cache,
+                    "--json", str(out_json), timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(out_json.read_text())["cells_run"] == 0 and "starting" not in again.stderr
+    assert again.stdout.splitlines()[1:] == [ln for ln in res.stdout.splitlines()[1:] if "releases" not in ln] or \
+        "1 failure intervals, 1 fixed, 0 open" in again.stdout
+
+
+def test_ctrl_c_stops_the_sweep_cleanly_and_keeps_what_was_done(history, tmp_path):
+    """SIGINT after the first commit: exit 130 with what was done, no scratch folder, no process of
+    its left, and every commit finished in the cache for the next sweep to start from."""
+    repo, _ = history
+    scratch = _scratch()
+    cmd = [sys.executable, "-m", "shardcheck", "sweep", "--target", "slime", "--src-repo", str(repo), *SCENARIO,
+           "--cache", str(tmp_path / "cache"), "--json", str(tmp_path / "s.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "[1/5]" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    assert out.startswith("interrupted after")
+    done = json.loads((tmp_path / "s.json").read_text())["cells_run"]
+    assert 1 <= done < 5
+    deadline = time.time() + 10
+    while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode != 0, "processes left"
+    assert _scratch() == scratch
+    # what was done is kept: the next sweep starts from it (the cache's reuse: the test above)
+    kept = [p for p in (tmp_path / "cache").rglob("*.json") if p.name != "configuration.json"]
+    assert len(kept) == done
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--src-repo", "{tmp}"], "is not a git clone"),
+    (["--src-repo", "{repo}", "--range", "{c1}..{c1}"], "no commit in"),
+    (["--src-repo", "{repo}", "--range", "nosuch..{c1}"], "is no commit"),
+    (["--src-repo", "{repo}", "--target", "builtin"], "takes no"),
+    (["--src-repo", "{repo}", "--target-src", "{tmp}"], "--target-src"),
+], ids=["not-a-clone", "empty-range", "unknown-revision", "target-without-source", "target-src"])
+def test_bad_input_is_one_line_and_exit_2(history, tmp_path, args, says, cli_in_process):
+    repo, c = history
+    filled = [a.format(tmp=tmp_path, repo=repo, c1=c["c1"]) for a in args]
+    if "--target" not in filled:
+        filled = ["--target", "slime", *filled]
+    res = cli_in_process("sweep", *filled, *SCENARIO, "--cache", str(tmp_path / "cache"))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_commit_that_cannot_be_exported_is_shown_as_cannot_run_and_not_cached(history, tmp_path):
+    repo, _ = history
+    check = engine.CommitCheck(repo, [], None, None, tmp_path)
+    cells = check("0" * 40, ["x"])
+    assert cells == {} or all(cell.state == CANNOT_RUN for cell in cells.values())
+    from shardcheck.scenarios import get_suite
+
+    sc = next(s for s in get_suite("smoke") if s.name == "thd-tp1cp1-basic")
+    check = engine.CommitCheck(repo, [sc], None, None, tmp_path)
+    (cell,) = check("0" * 40, [sc.name]).values()
+    assert cell.state == CANNOT_RUN and cell.why.startswith(engine.EXPORT_FAILED)
+    cache = engine.SweepCache(tmp_path / "cache", {"k": 1})
+    result = engine.sweep([Commit("0" * 40, "2025-01-01", "gone")], [sc], cache, check)
+    assert result.cells["0" * 40][sc.name].state == CANNOT_RUN and cache.load("0" * 40) == {}
