@@ -67,9 +67,11 @@ The signatures changed over NeMo-RL's history; :func:`detect_era` reads them fro
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +81,8 @@ from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, Rank
                                      layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
 from shardcheck.targets.nemo_rl_data import (DATA_FILE, DTENSOR_CALLS, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath,
-                                             PARALLELIZE_FILE, DTensorWorkerLines, NemoRLDTensorDataPath, NemoRLLossPath,
-                                             dtensor_cp_logprobs,
+                                             PARALLELIZE_FILE, DTensorWorkerLines, DTensorWorkerMesh,
+                                             NemoRLDTensorDataPath, NemoRLLossPath, dtensor_cp_logprobs,
                                              dtensor_sampling_reason, has_fused_loss, has_packing, has_unfused_loss)
 from shardcheck.targets.source import Framework, parameters
 
@@ -267,13 +269,16 @@ VARIANTS = {
                   "-> prepare_packed_loss_input (_pack_input_ids builds the rolled targets from the unpacked "
                   "input_ids and the data path's cu_seqlens) -> from_parallel_logits_to_logprobs_packed_sequences; "
                   "thd and zigzag only",
-    "dtensor": "NeMo-RL's DTensor worker's path: get_next_token_logprobs_from_logits on logits that are a DTensor "
-               "sharded over the vocabulary (Shard(-1)) on a DeviceMesh ('tp',) built from the rank's TP group -> "
+    "dtensor": "NeMo-RL's DTensor worker's path, on the DeviceMesh its own __init__ statements build "
+               "(init_device_mesh (dp, cp, tp), compiled alone): get_next_token_logprobs_from_logits on logits "
+               "that are a DTensor sharded over the vocabulary (Shard(-1)) on its tp_mesh at tp > 1 -> "
                "get_logprobs_from_vocab_parallel_logits -> dtensor_from_parallel_logits_to_logprobs (with a "
-               "scenario's top-k / top-p, sampling_params: DistributedLogprobWithSampling); bshd at cp 1; at cp > 1 "
+               "scenario's top-k / top-p, sampling_params: DistributedLogprobWithSampling), on the plain logits "
+               "at tp 1 (its full-vocabulary branch: [:, :-1], apply_top_k_top_p, log_softmax); bshd at cp 1; "
+               "at cp > 1 "
                "(scenario layout zigzag) the worker's CP: the padded [B, S] batch sharded by torch's "
                "context_parallel (head-tail load-balanced where S % 2cp == 0, else contiguous), seq_index, "
-               "input_ids a DTensor on the cp mesh, logits [Shard(1), Shard(-1)] on a ('cp','tp') mesh, "
+               "input_ids a DTensor on its cp_mesh, logits [Shard(1), Shard(-1)] on its device_mesh[('cp','tp')], "
                "NeMo-RL's own CP gather (full_tensor) and the worker's loss *= cp_size; before the call, the "
                "worker's own lines from its model's output to it (the temperature, where the commit divides), "
                "compiled alone from its worker file; before e861b94dd call=get_logprobs only, at cp 1",
@@ -327,6 +332,15 @@ class NemoRLTarget(CheckoutTarget):
             except (LookupError, OSError, SyntaxError) as exc:
                 raise BadInput(f"NeMo-RL at {self.short()}: its DTensor worker's lines between the model's output "
                                f"and the log-prob call cannot be compiled: {exc}") from None
+        # the worker's own DeviceMesh (its __init__'s statements); a commit without them: the
+        # adapter's meshes over the harness's groups, as before
+        self.worker_mesh: DTensorWorkerMesh | None = None
+        self._no_worker_mesh = ""  # why the commit's worker offers none
+        if variant == "dtensor":
+            try:
+                self.worker_mesh = DTensorWorkerMesh(self.src)
+            except (LookupError, OSError, SyntaxError) as exc:
+                self._no_worker_mesh = str(exc)
         if variant == "fused_loss" and not self.era.fused_loss:
             raise BadInput(f"NeMo-RL at {self.short()} has no fused packed loss ({FUSED} in {LOSS_UTILS_FILE} came "
                            "later): use nemo_rl:pre_rolled")
@@ -443,6 +457,8 @@ class NemoRLTarget(CheckoutTarget):
         self._old_dtensor = None
         if self.worker_lines is not None:
             self.worker_lines.forget()
+        if self.worker_mesh is not None:
+            self.worker_mesh.forget()
         if self.data_path is not None:
             self.data_path.release()
 
@@ -461,6 +477,8 @@ class NemoRLTarget(CheckoutTarget):
                             "logits.div_(T) on the given logits, as NeMo-RL's caller" if self.temperature_in_place
                             else "logits / T before the call (NeMo-RL's caller does logits.div_(T) in place)"),
             "cp_on_cpu": self.cp_on_cpu,
+            **({"device_mesh": self._mesh_description(), "tp1": self._tp1_description()}
+               if self.variant == "dtensor" else {}),
             **({"call": ((f"DTensorPolicyWorker.get_logprobs's ({PARALLELIZE_FILE}'s {DTENSOR} compiled alone, "
                           "called as the worker then did: logits.to(torch.float32), input_ids; its "
                           "dtensor_from_parallel_logits_to_logprobs's @torch.no_grad() body run undecorated so the "
@@ -476,6 +494,26 @@ class NemoRLTarget(CheckoutTarget):
                if self.data_path is not None and self.data_path.newer_fields else {}),
         }
 
+    def _mesh_description(self) -> str:
+        if self.worker_mesh is None:
+            return (f"the adapter's, as before: a ('tp',) mesh of the rank's TP group (DeviceMesh.from_group) and at "
+                    f"cp > 1 a ('cp', 'tp') mesh of its CP and TP groups; the commit's worker has no mesh statements "
+                    f"to run ({self._no_worker_mesh})")
+        return (f"the worker's own: {self.worker_mesh.describe()}; built through the harness's framework_groups "
+                "once per world and layout (dp_size = world // (tp * cp)), its tp, cp, dp and dp_cp groups checked "
+                "against the harness's; its tp_mesh holds the logits at tp > 1, its device_mesh[('cp', 'tp')] and "
+                "cp_mesh serve at cp > 1 (the data path's own phase, run before compute without RankInputs, shards "
+                "on a ('cp',) mesh of megatron-core's CP group: the same ranks)")
+
+    def _tp1_description(self) -> str:
+        if self.dtensor_call != "train":
+            return ("get_logprobs at tp 1, cp 1: the DTensor call on a 1-rank tp mesh (the worker's own plain-tensor "
+                    "branch, inline in get_logprobs, is not modelled)")
+        return (f"train at tp 1, cp 1: the plain logits, as the worker hands them (no TP plan at tp 1): {NEXT_TOKEN}'s "
+                "full-vocabulary branch (next_token_logits[:, :-1], a non-contiguous view for 2+ samples, "
+                "apply_top_k_top_p, log_softmax); on a CPU world Tensor.cuda returns the tensor itself for that call "
+                "only (its input_ids[:, 1:].cuda(): a device move, values unchanged; never on a CUDA world)")
+
     def _functions(self) -> dict[str, str]:
         packed = PACKED + (" (target_is_pre_rolled=True)" if self.variant == "pre_rolled" else
                            " (targets rolled inside)")
@@ -487,11 +525,17 @@ class NemoRLTarget(CheckoutTarget):
         out = {"thd, zigzag": thd, "bshd": LOGPROBS}
         if self.variant == "dtensor":
             out = {"zigzag (cp > 1)": f"torch's context_parallel on [B, S] -> {NEXT_TOKEN} on DTensor logits "
-                                      "([Shard(1), Shard(-1)] on a ('cp','tp') mesh), input_ids a DTensor on the cp "
-                                      f"mesh, seq_index -> {DTENSOR} -> dtensor_from_parallel_logits_to_logprobs "
+                                      "([Shard(1), Shard(-1)] on the worker's device_mesh[('cp','tp')]), input_ids a "
+                                      f"DTensor on its cp_mesh, seq_index -> {DTENSOR} -> "
+                                      "dtensor_from_parallel_logits_to_logprobs "
                                       "(CP gather: full_tensor)",
-                   "bshd": f"{NEXT_TOKEN} on DTensor logits (Shard(-1), a ('tp',) mesh) -> {DTENSOR} -> "
-                           "dtensor_from_parallel_logits_to_logprobs"}
+                   "bshd": f"tp > 1: {NEXT_TOKEN} on DTensor logits (Shard(-1), the worker's tp_mesh) -> {DTENSOR} -> "
+                           "dtensor_from_parallel_logits_to_logprobs; tp 1: "
+                           + (f"{NEXT_TOKEN} on the plain logits (the worker parallelizes nothing at tp 1): its "
+                              "full-vocabulary branch, [:, :-1], apply_top_k_top_p, log_softmax, gather"
+                              if self.dtensor_call == "train" else
+                              "the same DTensor call on a 1-rank tp mesh (the worker's own plain-tensor branch of "
+                              "get_logprobs, inline in its file, is not modelled)")}
             if not self.era.dtensor:  # call=get_logprobs at a commit before e861b94dd, cp 1 only
                 out = {"bshd": f"{PARALLELIZE_FILE}::{DTENSOR} (compiled alone) on DTensor logits (Shard(-1), a "
                                "('tp',) mesh) -> dtensor_from_parallel_logits_to_logprobs"}
@@ -562,6 +606,8 @@ class NemoRLTarget(CheckoutTarget):
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
         mod = self._module()
+        # the worker builds its mesh in __init__, before any forward: first, on every rank alike
+        worker_mesh = self._worker_mesh(inputs) if self.variant == "dtensor" else None
         logits = inputs.logits
         if self.worker_lines is not None:  # the DTensor worker's own lines decide (temperature or not)
             logits = self._worker_logits(inputs)
@@ -585,9 +631,9 @@ class NemoRLTarget(CheckoutTarget):
             sampling = self._sampling_params(inputs) if filtered else None
             if inputs.cp_size > 1:  # the worker's CP: torch's context_parallel rows, seq_index, a ("cp","tp") mesh
                 log_probs = dtensor_cp_logprobs(mod, self.data_path, logits, inputs, chunk, sampling,
-                                                self.dtensor_call)
+                                                self.dtensor_call, worker_mesh)
             else:
-                log_probs = self._dtensor(mod, logits, inputs, chunk, sampling)
+                log_probs = self._dtensor(mod, logits, inputs, chunk, sampling, worker_mesh)
         elif inputs.layout == "bshd":
             log_probs = self._bshd(mod, logits, inputs, start, end, chunk, sampling)
         elif self.variant == "per_sequence":
@@ -604,6 +650,22 @@ class NemoRLTarget(CheckoutTarget):
             flat = neg.reshape(-1)  # sum p log p: NeMo-RL's definition, declared in self.definitions
             entropy = [flat[r] for r in rows]
         return RankOutputs(log_probs, entropy)
+
+    def _worker_mesh(self, inputs: RankInputs) -> dict[str, Any] | None:
+        """What the worker's own mesh statements set (``device_mesh``, ``tp_mesh``, ``cp_mesh``,
+        ``dp_mesh``, ``dp_cp_mesh``; :class:`DTensorWorkerMesh`), built once per world and layout
+        through the harness (its groups checked against the harness's tp, cp, dp and dp_cp
+        groups); None where the commit's worker has no such statements."""
+        if self.worker_mesh is None:
+            return None
+        import torch.distributed as dist
+
+        tp, cp = inputs.tp_size, inputs.cp_size
+        dp = dist.get_world_size() // (tp * cp)  # the worker's dp_size = world_size // tp_size // cp_size
+        device_type = inputs.logits.device.type
+        mesh = self.worker_mesh
+        return inputs.framework_groups(("nemo_rl:dtensor", (dp, cp, tp)),
+                                       lambda: mesh.build(dp, cp, tp, device_type), mesh.roles)
 
     def _worker_logits(self, inputs: RankInputs) -> Any:
         """The DTensor worker's own lines from its model's output to its log-prob call
@@ -676,15 +738,31 @@ class NemoRLTarget(CheckoutTarget):
         out = out[:, :width - 1]  # as the caller slices off CP padding
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
-    def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs, chunk: int | None, sampling: Any) -> list[Any]:
-        """NeMo-RL's DTensor worker's training call (prepare_loss_input's): the logits a DTensor
-        sharded over the vocabulary on a ('tp',) mesh of the rank's TP group, input_ids [B, S]
-        right-padded, its logprob_chunk_size passed as it passes it (the DTensor branch does not
-        hand it on); out[:, p] scores token p + 1."""
-        from shardcheck.targets.torch_parallel import vocab_sharded
-
+    def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs, chunk: int | None, sampling: Any,
+                 worker_mesh: dict[str, Any] | None = None) -> list[Any]:
+        """NeMo-RL's DTensor worker's call at cp 1, input_ids [B, S] right-padded; out[:, p]
+        scores token p + 1. At tp > 1 the logits are a DTensor sharded over the vocabulary
+        (Shard(-1)) on the worker's own ``tp_mesh`` (its TP plan's lm_head output), else on a
+        ('tp',) mesh of the rank's TP group. At tp 1 the worker parallelizes nothing (parallelize.py:
+        ``if tp_mesh.size() > 1``), so train's call gets the plain logits and takes
+        get_next_token_logprobs_from_logits's full-vocabulary branch; get_logprobs's own plain
+        branch is the worker's inline code, not modelled: there the logits stay a DTensor on the
+        1-rank mesh. Its logprob_chunk_size is passed as the worker passes it (neither branch of
+        train's call hands it on)."""
         width = logits.shape[1]
-        sharded = vocab_sharded(logits, inputs.tp_group, "tp")
+        ids = _right_padded(inputs, width, logits.device)
+        if self.dtensor_call == "train" and inputs.tp_size == 1:
+            with _cuda_stand_in(logits.device):  # that branch's input_ids[:, 1:].cuda()
+                out = getattr(mod, NEXT_TOKEN)(ids, logits, sampling_params=sampling, chunk_size=chunk)
+            return [out[r // width, r % width] for r in inputs.scored_rows()]
+        if worker_mesh is not None and "tp_mesh" in worker_mesh:
+            from torch.distributed.tensor import DTensor, Shard
+
+            sharded = DTensor.from_local(logits, worker_mesh["tp_mesh"], [Shard(-1)], run_check=False)
+        else:
+            from shardcheck.targets.torch_parallel import vocab_sharded
+
+            sharded = vocab_sharded(logits, inputs.tp_group, "tp")
         if self.dtensor_call == "get_logprobs":  # DTensorPolicyWorker.get_logprobs's call (cp 1)
             fn = self._dtensor_logprobs(mod)
             params = inspect.signature(fn).parameters
@@ -693,10 +771,9 @@ class NemoRLTarget(CheckoutTarget):
                 import torch
 
                 sharded = sharded.to(torch.float32)
-            out = fn(sharded, _right_padded(inputs, width, logits.device), **kwargs)
+            out = fn(sharded, ids, **kwargs)
         else:
-            out = getattr(mod, NEXT_TOKEN)(_right_padded(inputs, width, logits.device), sharded,
-                                           sampling_params=sampling, chunk_size=chunk)
+            out = getattr(mod, NEXT_TOKEN)(ids, sharded, sampling_params=sampling, chunk_size=chunk)
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
     def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,
@@ -758,6 +835,30 @@ class NemoRLTarget(CheckoutTarget):
         asked = scenario_sampling(inputs)
         top_k, top_p = asked if asked is not None else (None, 1.0)
         return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
+
+
+@contextlib.contextmanager
+def _cuda_stand_in(device: Any) -> Iterator[None]:
+    """On a CPU world only, for the duration of one NeMo-RL call: ``Tensor.cuda`` returns the
+    tensor itself. NeMo-RL's full-vocabulary branch moves ``input_ids[:, 1:]`` to CUDA, where its
+    logits are (a device move: the values are unchanged), and a CPU world has no CUDA; on a world
+    whose logits are on CUDA nothing stands in. A process runs one rank's call at a time (a real
+    rank, or the simulated ranks in turn), so nothing else sees the stand-in."""
+    import torch
+
+    if device.type != "cpu":
+        yield
+        return
+    own = "cuda" in vars(torch.Tensor)
+    was = vars(torch.Tensor).get("cuda")
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own:
+            torch.Tensor.cuda = was  # type: ignore[method-assign]
+        else:
+            del torch.Tensor.cuda
 
 
 def _right_padded(inputs: RankInputs, width: int, device: Any) -> Any:

@@ -306,9 +306,13 @@ class NemoRLDTensorDataPath:
         return (f"NeMo-RL's DTensor worker shards over CP only (cp > 1; this is {scenario.layout} at cp "
                 f"{scenario.cp}): the [B, S] batch is laid out by shardcheck")
 
-    def shard(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def shard(self, rollout: Rollout, cp_mesh: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (input_ids, position_ids, seq_index) after the worker's context_parallel:
-        [B, S_local], [B, S_local], [1, S_local]."""
+        [B, S_local], [B, S_local], [1, S_local], on ``cp_mesh`` (the worker's own ``self.cp_mesh``
+        in compute), else a ("cp",) mesh of megatron-core's CP group: the data path's phase runs
+        before compute and holds no RankInputs, so it cannot reach the worker's mesh (built through
+        ``RankInputs.framework_groups``); the two hold the same ranks (the harness checks the
+        worker's cp group against its own), and context_parallel shards locally."""
         from megatron.core import parallel_state as mpu
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.experimental import context_parallel
@@ -323,7 +327,8 @@ class NemoRLDTensorDataPath:
         position_ids = torch.arange(width, device=device).repeat(len(rollout.tokens), 1)
         seq_index = torch.arange(width, device=device).repeat(1, 1)
         buffers = [input_ids, position_ids, seq_index]
-        cp_mesh = DeviceMesh.from_group(mpu.get_context_parallel_group(), device.type, mesh_dim_names=("cp",))
+        if cp_mesh is None:
+            cp_mesh = DeviceMesh.from_group(mpu.get_context_parallel_group(), device.type, mesh_dim_names=("cp",))
         with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                               no_restore_buffers=set(buffers)):
             pass  # the model's forward runs here in the worker; the buffers stay sharded after it
@@ -370,17 +375,24 @@ DTENSOR_CALLS = ("train", "get_logprobs")
 
 
 def dtensor_cp_logprobs(mod: Any, path: NemoRLDTensorDataPath, logits: torch.Tensor, inputs: Any,
-                        chunk: int | None, sampling: Any, call: str = "train") -> list[torch.Tensor]:
+                        chunk: int | None, sampling: Any, call: str = "train",
+                        worker_mesh: dict[str, Any] | None = None) -> list[torch.Tensor]:
     """Per sample, every response token's log-prob (gathered over CP by NeMo-RL), as the worker's
     train step computes them on this rank (``call="train"``: prepare_loss_input's
     get_next_token_logprobs_from_logits, which drops chunk_size on this branch) or as its
     get_logprobs does (``"get_logprobs"``: get_logprobs_from_vocab_parallel_logits with
-    chunk_size, the logits uncast; with grad enabled here, so inference_only=False)."""
+    chunk_size, the logits uncast; with grad enabled here, so inference_only=False). The meshes
+    are the worker's own (``worker_mesh``: what :class:`DTensorWorkerMesh` set,
+    ``device_mesh[("cp", "tp")]`` and ``cp_mesh``) where its commit builds them so, else
+    :func:`cp_tp_mesh` over the harness's groups."""
     from torch.distributed.tensor import DTensor, Shard
 
-    input_ids, _, seq_index = path.shard(inputs.rollout.to(logits.device))
-    mesh = cp_tp_mesh(inputs.cp_group, inputs.tp_group, logits.device.type)
-    cp_mesh = mesh["cp"]
+    if worker_mesh is not None and {"device_mesh", "cp_mesh"} <= set(worker_mesh):
+        mesh, cp_mesh = worker_mesh["device_mesh"][("cp", "tp")], worker_mesh["cp_mesh"]
+    else:
+        mesh = cp_tp_mesh(inputs.cp_group, inputs.tp_group, logits.device.type)
+        cp_mesh = mesh["cp"]
+    input_ids, _, seq_index = path.shard(inputs.rollout.to(logits.device), cp_mesh)
     seq_index = DTensor.from_local(seq_index, device_mesh=cp_mesh, placements=[Shard(1)]).full_tensor().squeeze(0)
     ids = DTensor.from_local(input_ids, device_mesh=cp_mesh, placements=[Shard(1)])
     sharded = DTensor.from_local(logits, device_mesh=mesh, placements=[Shard(1), Shard(-1)])
@@ -590,3 +602,152 @@ class DTensorWorkerLines:
         helpers = "".join(f", {self.cls_name}.{h}" for h in self.helpers)
         return (f"{self.file}:{self.lines[0]}-{self.lines[1]} ({self.cls_name}.{self.call}: from the model's output "
                 f"to 'if self.cp_size > 1'){helpers}, compiled alone")
+
+
+# ---- the DTensor worker's own DeviceMesh, from its __init__ -----------------------------------
+
+MESH_ROLES = {"tp_mesh": "tp", "cp_mesh": "cp", "dp_mesh": "dp", "dp_cp_mesh": "dp_cp"}
+
+
+def _is_mesh_init(stmt: ast.stmt) -> str | None:
+    """The name ``stmt`` binds to ``...init_device_mesh(...)``, or None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, ast.Call)):
+        return None
+    func = stmt.value.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    return stmt.targets[0].id if name == "init_device_mesh" else None
+
+
+def _slices_mesh(stmt: ast.stmt, mesh: str) -> bool:
+    """``self.X = <mesh>[...]``, ``self.a, self.b = (<mesh>["a"], <mesh>["b"])``,
+    ``self.X = <mesh>[...]._flatten(...)``, ``self.device_mesh = <mesh>``: an assignment to the
+    worker's attributes whose value reads nothing but the mesh (and calls nothing but _flatten)."""
+    if not isinstance(stmt, ast.Assign):
+        return False
+    targets = [t for target in stmt.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+    if not all(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+               for t in targets):
+        return False
+    names = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name)}
+    calls = [n for n in ast.walk(stmt.value) if isinstance(n, ast.Call)]
+    return names == {mesh} and all(isinstance(c.func, ast.Attribute) and c.func.attr == "_flatten" for c in calls)
+
+
+class _DeviceType(ast.NodeTransformer):
+    """The literal "cuda" that init_device_mesh is handed, as the name ``device_type``."""
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name == "init_device_mesh" and node.args and isinstance(node.args[0], ast.Constant) \
+                and node.args[0].value == "cuda":
+            node.args[0] = ast.copy_location(ast.Name(id="device_type", ctx=ast.Load()), node.args[0])
+        return node
+
+
+class DTensorWorkerMesh:
+    """NeMo-RL's DTensor worker's own DeviceMesh statements, taken alone out of its ``__init__``
+    (path and line numbers kept): ``device_mesh = torch.distributed.device_mesh.init_device_mesh(
+    "cuda", (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))`` and the statements
+    after it that set the worker's meshes from it and nothing else (``self.dp_cp_mesh =
+    device_mesh[("dp", "cp")]._flatten(mesh_dim_name="dp_cp")``, ``self.dp_mesh, self.tp_mesh,
+    self.cp_mesh = ...``, ``self.device_mesh = device_mesh``). Run as a function of ``(self,
+    dp_size, cp_size, tp_size, device_type)``: the one change is the literal "cuda", which becomes
+    the world's device type (the logits'), so that a CPU gloo world builds the same mesh on "cpu".
+    The LOCAL_RANK juggling around the call is not taken: it exists for Ray's one visible GPU per
+    worker (torch sets the device from LOCAL_RANK only where none is set yet), and the harness has
+    set each rank's device before; kept, it would need LOCAL_RANK set and could move a rank that
+    had none set onto GPU 0."""
+
+    def __init__(self, src: Path) -> None:
+        path = next((p for p in WORKER_FILES if (src / p).is_file()), None)
+        if path is None:
+            raise LookupError(f"no DTensor policy worker ({' or '.join(map(str, WORKER_FILES))})")
+        self.file, self._path = path, src / path
+        self._tree = ast.parse(self._path.read_text(), filename=str(self._path))
+        found = None
+        for cls in (n for n in self._tree.body if isinstance(n, ast.ClassDef)):
+            init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            found = found or (self._statements(init) if init is not None else None)
+            if found:
+                self.cls_name = cls.name
+                break
+        if not found:
+            raise LookupError(f"{path}: no __init__ with 'NAME = ...init_device_mesh(...)' followed by the "
+                              "worker's meshes taken from it")
+        self.statements = found
+        self.lines = [s.lineno for s in found]
+        self.attributes = sorted({t.attr for s in found[1:] for target in s.targets  # type: ignore[attr-defined]
+                                  for t in (target.elts if isinstance(target, ast.Tuple) else [target])})
+        body = [_DeviceType().visit(s) for s in found]
+        ret = ast.Return(value=ast.Constant(value=None))
+        ast.copy_location(ret, found[-1])
+        args = [ast.arg(arg=a) for a in ("self", "dp_size", "cp_size", "tp_size", "device_type")]
+        fn = ast.FunctionDef(name="_device_mesh_lines", args=ast.arguments(
+            posonlyargs=[], args=args, kwonlyargs=[], kw_defaults=[], defaults=[]), body=[*body, ret],
+            decorator_list=[], returns=None, type_params=[])
+        ast.copy_location(fn, found[0])
+        self._module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+        self._fn: Any = None
+
+    @staticmethod
+    def _statements(init: ast.FunctionDef) -> list[ast.stmt] | None:
+        for node in ast.walk(init):
+            body = getattr(node, "body", None)
+            if not isinstance(body, list):
+                continue
+            for i, stmt in enumerate(body):
+                mesh = _is_mesh_init(stmt) if isinstance(stmt, ast.stmt) else None
+                if mesh is not None:
+                    rest = [s for s in body[i + 1:] if _slices_mesh(s, mesh)]
+                    return [stmt, *rest] if rest else None
+        return None
+
+    def _function(self) -> Callable[..., None]:
+        if self._fn is None:
+            import importlib
+            import symtable
+
+            from shardcheck.targets.compiled import names_read
+
+            table = symtable.symtable(ast.unparse(self._module), str(self._path), "exec")
+            reads = set().union(*(names_read(child) for child in table.get_children()))
+            package = ".".join(self.file.with_suffix("").parts[:-1])
+            imports = module_imports(self._tree, package)
+            given: dict[str, Any] = {}
+            for name in sorted(reads):
+                if name not in imports or imports[name][0].split(".")[0] != "torch":
+                    raise LookupError(f"{self.file}: the worker's mesh statements read {name}, which is not one of "
+                                      "the file's torch imports")
+                mod_name, attr = imports[name]
+                mod = importlib.import_module(mod_name)
+                given[name] = mod if attr is None else getattr(mod, attr)
+            namespace: dict[str, Any] = {"__name__": "shardcheck_nemo_rl_dtensor_worker_mesh",
+                                         "__file__": str(self._path), **given}
+            exec(compile(self._module, str(self._path), "exec", dont_inherit=True), namespace)  # noqa: S102
+            self._fn = namespace["_device_mesh_lines"]
+        return self._fn
+
+    def build(self, dp_size: int, cp_size: int, tp_size: int, device_type: str) -> dict[str, Any]:
+        """What the statements set on the worker (``device_mesh``, ``tp_mesh``, ...), run with
+        these sizes on ``device_type``: collective (every rank of the world, in the same order)."""
+        import types
+
+        worker = types.SimpleNamespace()
+        self._function()(worker, dp_size, cp_size, tp_size, device_type)
+        return vars(worker)
+
+    @staticmethod
+    def roles(built: dict[str, Any]) -> dict[str, Any]:
+        """The harness's role of each mesh the worker keeps (tp, cp, dp, dp_cp)."""
+        return {role: built[attr].get_group() for attr, role in MESH_ROLES.items() if attr in built}
+
+    def forget(self) -> None:
+        self._fn = None
+
+    def describe(self) -> str:
+        return (f"{self.file}:{self.lines[0]}-{self.statements[-1].end_lineno} ({self.cls_name}.__init__, lines "
+                f"{', '.join(map(str, self.lines))}: init_device_mesh and {', '.join(self.attributes)}), compiled "
+                "alone; the literal \"cuda\" given to init_device_mesh is the world's device type; the LOCAL_RANK "
+                "juggling around it (Ray's one visible GPU per worker) not taken")

@@ -320,6 +320,64 @@ def test_the_dtensor_workers_path_passes_on_dtensor_logits(tmp_path):
 
 @needs_nemo_rl
 @pytest.mark.world
+def test_the_dtensor_worker_builds_its_own_mesh_through_the_harness(tmp_path):
+    """nemo_rl:dtensor at tp 2: the worker's own __init__ mesh statements (init_device_mesh (dp, cp,
+    tp), its meshes sliced from it) run once through framework_groups (the set-up's barrier and the
+    lists' all-gather over the world), their groups checked against the harness's; the logits a
+    DTensor on its tp_mesh take get_next_token_logprobs_from_logits's DTensor branch."""
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:dtensor", "--suite", "logprob", "--scenario",
+                               "bshd-tp2cp1-basic-logprob", "--trace", "--coverage")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    [v] = verdicts.values()
+    calls = [c for trace in v["traces"].values() for c in trace]
+    set_up = [c for c in calls if c["phase"] == "framework groups set-up"]
+    assert {c["op"] for c in set_up} >= {"barrier", "all_gather"}, set_up
+    forward = {tuple(c["ranks"]) for c in calls if c["phase"] == "forward"}
+    assert forward and forward <= {(0, 1), (2, 3)}, forward  # its tp_mesh's groups
+    assert "init_device_mesh" in doc["target"]["device_mesh"] and "LOCAL_RANK" in doc["target"]["device_mesh"]
+    files = doc["coverage"]["files"]
+    ran = {f.rpartition(":")[2] for f in files["nemo_rl/distributed/model_utils.py"]["functions"]}
+    assert {"get_logprobs_from_vocab_parallel_logits", "dtensor_from_parallel_logits_to_logprobs"} <= ran, ran
+    worker_file = files["nemo_rl/models/policy/workers/dtensor_policy_worker.py"]
+    worker = {f.rpartition(":")[2] for f in worker_file["functions"]}
+    assert any(f.endswith(".__init__") for f in worker), worker
+
+
+@needs_nemo_rl
+@pytest.mark.world
+def test_the_dtensor_worker_at_tp1_hands_plain_logits_to_the_full_vocabulary_branch(tmp_path):
+    """At tp 1, cp 1 the worker parallelizes nothing, so train's get_next_token_logprobs_from_logits
+    takes its plain-tensor branch: next_token_logits[:, :-1] (non-contiguous for 2+ samples),
+    apply_top_k_top_p, log_softmax. Top-k alone passes on 2 bshd samples, top-k and top-p on one.
+    Found at the pin: top-p on 2+ samples raises, NeMo-RL's own error
+    (_apply_top_k_top_p_fn's logits.view(-1, vocab_size) on that view; docs/nemo-rl.md)."""
+    import dataclasses
+
+    from conftest import write_scenarios
+    from shardcheck.scenarios import get_suite
+
+    [sc] = [s for s in get_suite("sampling") if s.name == "sampling-bshd-tp2"]  # top-k 8, top-p 0.8, 2 samples
+    base = dataclasses.replace(sc, tp=1, with_entropy=False, entropy_coef=0.0)
+    f = write_scenarios(tmp_path / "tp1.json", [
+        dataclasses.replace(base, name="tp1-topk", top_p=1.0),
+        dataclasses.replace(base, name="tp1-topk-topp-one", samples=base.samples[:1]),
+        dataclasses.replace(base, name="tp1-topk-topp")])
+    proc, verdicts, doc = _run(tmp_path, "nemo_rl:dtensor", "--scenario-file", str(f), "--coverage")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert verdicts["tp1-topk"]["verdict"] == verdicts["tp1-topk-topp-one"]["verdict"] == "pass", verdicts
+    [failure] = verdicts["tp1-topk-topp"]["failures"]
+    assert failure["kind"] == "rank_error" and "view size is not compatible" in failure["message"], failure
+    assert "logits_sampling_utils.py:" in failure["message"], failure["message"]
+    files = doc["coverage"]["files"]
+    ran = {f.rpartition(":")[2] for f in files["nemo_rl/distributed/model_utils.py"]["functions"]}
+    assert "get_next_token_logprobs_from_logits" in ran and "get_logprobs_from_vocab_parallel_logits" not in ran, ran
+    sampled = {f.rpartition(":")[2] for f in files["nemo_rl/algorithms/logits_sampling_utils.py"]["functions"]}
+    assert {"_apply_top_k_only_fn", "_ApplyTopKTopP.backward"} <= sampled, sampled
+    assert "Tensor.cuda returns the tensor itself" in doc["target"]["tp1"]
+
+
+@needs_nemo_rl
+@pytest.mark.world
 def test_the_dtensor_cp_path_passes_where_torch_shards_evenly(tmp_path):
     """nemo_rl:dtensor at cp > 1: the padded [B, S] batch sharded by torch's context_parallel as
     NeMo-RL's DTensor worker calls it (the rows learned by the position trace), seq_index, input_ids
