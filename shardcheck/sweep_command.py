@@ -137,11 +137,12 @@ class Sweep(Command):
             releases = {id(iv): engine.releases_carrying(s.repo, iv, tags) for iv in intervals}
         context = sweep_report.SweepContext(config.target, tuple(f"{k}={v}" for k, v in config.target_options),
                                             str(s.repo), s.suite, s.scenario_file)
-        print(sweep_report.terminal(result, intervals, releases))
+        # the files first: a terminal that goes away (a pipe closed) must not lose them
         if s.json:
             Path(s.json).write_text(sweep_report.dumps(sweep_report.document(result, intervals, releases, context)))
         if s.html:
             Path(s.html).write_text(sweep_report.page(result, intervals, releases, context))
+        print(sweep_report.terminal(result, intervals, releases), flush=True)
         if result.interrupted:
             return EXIT_INTERRUPTED
         return EXIT_FAIL if any(iv.open for iv in intervals) else EXIT_OK
