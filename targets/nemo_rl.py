@@ -379,8 +379,28 @@ class NemoRLTarget(CheckoutTarget):
 
     def repro_call(self) -> str | None:
         """How a repro script calls NeMo-RL: the default variant on shardcheck's rows (a script that
-        runs NeMo-RL's packing or loss wrappers is not written yet)."""
+        runs NeMo-RL's packing or loss wrappers is not written yet); nemo_rl:dtensor's call at cp 1
+        (the harness refuses cp > 1: its log-probs are gathered) where the commit's worker scales
+        the logits as the script does (:meth:`_repro_dtensor`)."""
+        if self.variant == "dtensor":
+            return REPRO_CALL_DTENSOR.replace("@CALL@", self.dtensor_call) if self._repro_dtensor() else None
         return REPRO_CALL if self.variant is None and self.data_path is None else None
+
+    def _repro_dtensor(self) -> bool:
+        """Whether a script can make nemo_rl:dtensor's call faithfully: model_utils holds both of its
+        functions and takes sampling_params, logits_sampling_utils has TrainingSamplingParams, and the
+        worker's only lines between its model's output and the call are its _apply_temperature_scaling
+        dividing by sampling_params.temperature (the script divides out of place: the same values);
+        not with temperature_in_place (that write is the worker's, on the harness's tensor)."""
+        lines = self.worker_lines
+        if not (self.era.dtensor and self.era.sampling and lines is not None and not self.temperature_in_place
+                and "class TrainingSamplingParams" in _text(self.src / SAMPLING_FILE)
+                and lines.helpers == ["_apply_temperature_scaling"]):
+            return False
+        tree = ast.parse(_text(self.src / lines.file))
+        helper = next((f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == lines.cls_name
+                       for f in c.body if isinstance(f, ast.FunctionDef) and f.name == lines.helpers[0]), None)
+        return helper is not None and ".div_(self.sampling_params.temperature)" in ast.unparse(helper)
 
     def _capabilities(self) -> Capabilities:
         era = self.era
@@ -901,6 +921,46 @@ def call_code_under_test(logits, rank):
     neg = mod.ChunkedDistributedEntropy.apply(logits, chunk or max(1, min(logits.shape[1], 1024)), rank.tp_group, False)
     return log_probs, [neg.reshape(-1)[[rank.rows.index((i, p)) for p in ps]] for i, ps in enumerate(scored)]
 '''
+
+# nemo_rl:dtensor's (call @CALL@, written in by repro_call) at cp 1 on shardcheck's [B, S] rows.
+REPRO_CALL_DTENSOR = '''
+def call_code_under_test(logits, rank):
+    """NeMo-RL's DTensor worker's @CALL@ call (cp 1) from rank.src, as shardcheck's nemo_rl:dtensor target makes it."""
+    import importlib
+    for name in ("nemo_rl", "nemo_rl.distributed", "nemo_rl.algorithms"):  # empty packages: __init__.py not run
+        sys.modules.setdefault(name, type(sys)(name)).__path__ = [os.path.join(rank.src, *name.split("."))]
+    mod = importlib.import_module("nemo_rl.distributed.model_utils")  # it imports logits_sampling_utils: torch alone
+    top_k, top_p = CASE["scenario"].get("top_k", 0), CASE["scenario"].get("top_p", 1.0)  # 0, 1.0: no filter
+    params = importlib.import_module("nemo_rl.algorithms.logits_sampling_utils").TrainingSamplingParams
+    sampling = params(top_k=top_k or None, top_p=top_p, temperature=rank.temperature) if top_k or top_p < 1 else None
+    if rank.temperature != 1.0:  # the worker's _apply_temperature_scaling: logits.div_(T) on its model's output
+        logits = logits / rank.temperature
+    ids = torch.stack([torch.nn.functional.pad(t, (0, logits.shape[1] - len(t))) for t in rank.tokens])  # [B, S]
+    chunk = rank.chunk_size if rank.chunk_size > 0 else None
+    if "@CALL@" == "train" and rank.tp_size == 1:  # no TP plan at tp 1: the plain logits, the full-vocabulary branch
+        cuda = torch.Tensor.cuda  # its input_ids[:, 1:].cuda(): on a CPU world the tensor itself for this call (a
+        if logits.device.type == "cpu":  # device move, values unchanged), as shardcheck's target does there
+            torch.Tensor.cuda = lambda self, *args, **kwargs: self
+        try:
+            out = mod.get_next_token_logprobs_from_logits(ids, logits, sampling_params=sampling, chunk_size=chunk)
+        finally:
+            torch.Tensor.cuda = cuda
+    else:  # the vocab-sharded DTensor, Shard(-1) on a ('tp',) mesh of the rank's TP group: the ranks of the
+        from torch.distributed.device_mesh import DeviceMesh  # worker's tp_mesh (its whole mesh is not rebuilt)
+        from torch.distributed.tensor import DTensor, Shard
+        mesh = DeviceMesh.from_group(rank.tp_group, logits.device.type, mesh_dim_names=("tp",))
+        sharded = DTensor.from_local(logits, mesh, [Shard(-1)], run_check=False)
+        if "@CALL@" == "train":  # neither branch of train's call hands chunk_size on
+            out = mod.get_next_token_logprobs_from_logits(ids, sharded, sampling_params=sampling, chunk_size=chunk)
+        else:  # get_logprobs (the worker's runs under no_grad; with grad here, so that the backward is checked)
+            out = mod.get_logprobs_from_vocab_parallel_logits(sharded, ids, chunk_size=chunk, sampling_params=sampling)
+    scored = [[t - r - 1 + j for j in share] for t, r, share in zip(rank.total_lengths, rank.response_lengths, rank.share)]
+    return [out[i, positions] for i, positions in enumerate(scored)], None  # out[i, p] scores token p + 1; no entropy
+'''
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
 
 
 def _ranks_on_cuda() -> bool:

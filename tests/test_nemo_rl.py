@@ -558,6 +558,61 @@ def test_repro_refuses_what_its_script_cannot_check(tmp_path):
         assert not (tmp_path / "r.py").exists()
 
 
+# The smallest scenario of the top-p bug found at the pin (docs/nemo-rl.md): two samples of 3 tokens (prompt 1),
+# V = 4, bshd, tp 1, top-p 0.9: NeMo-RL's DTensor worker's train takes the full-vocabulary branch.
+TOPP = {"name": "dtensor-tp1-topp-two-samples", "samples": [[3, 1], [3, 1]], "vocab": 4, "tp": 1, "cp": 1,
+        "layout": "bshd", "with_entropy": False, "entropy_coef": 0.0, "log_probs_chunk_size": -1, "temperature": 1.0,
+        "dtype": "float32", "seed": 1, "replay_keep": False, "top_k": 0, "top_p": 0.9,
+        "description": "NeMo-RL's DTensor worker at tp 1: top-p on the non-contiguous [:, :-1] view of 2 samples"}
+
+
+def _dtensor_repro(tmp_path, name: str, scenarios: list) -> tuple:
+    """`shardcheck repro --target nemo_rl:dtensor` for scenario ``name`` of ``scenarios``: (the command, the script)."""
+    (tmp_path / "sc.json").write_text(json.dumps(scenarios))
+    script = tmp_path / f"{name}.py"
+    made = run_cli("repro", "--target", "nemo_rl:dtensor", "--scenario-file", str(tmp_path / "sc.json"),
+                   "--scenario", name, "--out", str(script), cwd=str(tmp_path))
+    return made, script
+
+
+@needs_nemo_rl
+def test_a_repro_script_makes_the_dtensor_workers_call_with_torch_and_nemo_rl_alone(tmp_path):
+    """nemo_rl:dtensor's repro call (train, cp 1): at tp 1 the plain logits through
+    get_next_token_logprobs_from_logits's full-vocabulary branch (its .cuda() the target's stand-in), at
+    tp 2 a Shard(-1) DTensor on a ('tp',) mesh of the TP group; both scripts, run where shardcheck is not
+    installed, find nothing on the top-p scenario without its filter. The filtered scenario itself is
+    refused by the harness (sampling scenarios: no script yet), no longer for want of a repro call."""
+    python = torch_only_python(tmp_path)
+    plain = [dict(TOPP, name="tp1-plain", top_p=1.0), dict(TOPP, name="tp2-plain", top_p=1.0, tp=2, vocab=8)]
+    for sc in plain:
+        made, script = _dtensor_repro(tmp_path, sc["name"], plain)
+        assert made.returncode == 0, made.stderr
+        assert script.read_text().count("\n") < 300
+        run = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 0 and run.stdout.startswith("NOT FOUND: nemo_rl:dtensor"), run.stdout + run.stderr
+    made, script = _dtensor_repro(tmp_path, TOPP["name"], [TOPP])
+    assert made.returncode == 2 and "top-k/top-p" in made.stderr and "repro_call" not in made.stderr, made.stderr
+    assert not script.exists()
+    for option in ("call=get_logprobs", "temperature_in_place=true"):  # the first: written; the second: refused
+        target = nemo_rl.target("dtensor", TargetConfig(NEMO_RL_SRC, (tuple(option.split("=")),)))
+        assert bool(target.repro_call()) == (option == "call=get_logprobs"), option
+
+
+@needs_nemo_rl
+@pytest.mark.xfail(strict=True, reason="repro refuses top-k/top-p scenarios (harness/controller/commands/repro.py "
+                   "scenario_refusal): the script's CASE carries no top_k/top_p, and its truth neither draws the "
+                   "tokens inside the keep sets nor renormalises over them")
+def test_a_repro_script_shows_the_dtensor_tp1_top_p_error(tmp_path):
+    """The top-p bug as a standalone script: FOUND (exit 1, NeMo-RL's view error); top-k 2 alone: NOT FOUND."""
+    python = torch_only_python(tmp_path)
+    for sc, code, said in ((TOPP, 1, "view size is not compatible"),
+                           (dict(TOPP, name="tp1-topk2", top_p=1.0, top_k=2), 0, "NOT FOUND")):
+        made, script = _dtensor_repro(tmp_path, sc["name"], [sc])
+        assert made.returncode == 0, made.stderr
+        run = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == code and said in run.stdout, run.stdout + run.stderr
+
+
 # ----------------------------------------------------------------------------------------------
 # NeMo-RL's own data path (_pack_sequences_for_megatron) and its fused packed loss
 

@@ -142,7 +142,10 @@ def test_ctrl_c_stops_the_sweep_cleanly_and_keeps_what_was_done(history, tmp_pat
     scratch = _scratch()
     cmd = [sys.executable, "-m", "shardcheck", "sweep", "--target", "slime", "--src-repo", str(repo), *SCENARIO,
            "--cache", str(tmp_path / "cache"), "--json", str(tmp_path / "s.json")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # a terminal's Ctrl-C: SIGINT to the whole process group, whose handler is Python's default
+    # (a pytest-xdist worker ignores SIGINT, and a child inherits that)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
