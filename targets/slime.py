@@ -161,6 +161,7 @@ class SlimeTarget(CheckoutTarget):
         if self.data_path is not None:
             self.data_path = SlimeDataPath(self, self.data_path.found)
         self.__dict__.pop("_policy_fns", None)  # slime:policy_loss's functions, imported with it
+        self.__dict__.pop("_policy_module", None)
 
     def description(self) -> dict[str, Any]:
         return {"args_read_but_not_set": sorted(self.missing_args),
@@ -315,6 +316,9 @@ class SlimePolicyLossTarget(SlimeTarget):
             self._fn = recorder.fn
             self._params = set(inspect.signature(recorder.fn).parameters)
             self._policy_fns = (module.policy_loss_function, cp_utils.get_sum_of_sample_mean, recorder)
+            # the loss module whose get_log_probs_and_entropy records: slime's loss_function is taken
+            # from it too (get_batch's data path may import that module anew in between)
+            self._policy_module = module
         return self._policy_fns
 
     def args(self, inputs: RankInputs) -> _Args:
@@ -425,7 +429,8 @@ class SlimeLossTarget(SlimePolicyLossTarget):
         step = inputs.step
         if step is None:
             raise ValueError("slime:loss is a training step's loss: it needs the step inputs")
-        loss_function = self.import_module(LOSS_MODULE).loss_function
+        self._policy()
+        loss_function = self._policy_module.loss_function
         # what slime's train_one_step hands it: the step's micro-batch count and its global batch
         # (samples over every data-parallel replica)
         args.global_batch_size = step.global_batch_size

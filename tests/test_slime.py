@@ -438,3 +438,20 @@ def test_coverage_of_slimes_loss_names_the_entry_point_the_schedule_and_ddp(tmp_
                  "megatron-core/megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBucketGroup."
                  "finish_grad_sync"):
         assert name in ran, sorted(ran)
+
+
+@needs_slime_history
+@pytest.mark.world
+def test_slime_loss_takes_loss_function_from_the_module_it_records_in(tmp_path):
+    """Harness noise the sweep found (docs/slime.md, "A sweep of slime's history"): at f27ef35c9
+    (#2184; until e593fa0a0, #2216) get_batch's data path imports slime's loss module anew, and the
+    adapter took loss_function from that fresh module while its recorder sat on the one it had
+    imported first: in a suite's world every scenario but the last raised "called
+    get_log_probs_and_entropy 0 times". The regressions suite in one world now shows slime's own
+    findings only (mask_leak: its loss multiplies by the mask), no rank_error."""
+    src = export_commit(os.environ[REPO_ENV], "f27ef35c99", tmp_path / "slime")
+    res = run_cli("run", "--target", "slime:loss", "--target-src", src, "--suite", "regressions",
+                  "--json-report", str(tmp_path / "r.json"))
+    kinds = {f["kind"] for sc in json.loads((tmp_path / "r.json").read_text())["scenarios"]
+             for f in sc.get("failures", [])}
+    assert kinds == {"mask_leak"}, res.stdout[-3000:]
