@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
 from shardcheck.harness.controller.commands import sweep as engine
 from shardcheck.harness.controller.reports.sweep_timeline import (CANNOT_RUN, FAIL, PASS, SKIP, Cell, Commit,
                                                                   SweepResult, message_key, timeline)
@@ -64,11 +63,10 @@ def test_the_signature_keeps_what_went_wrong_and_drops_what_varies_by_rank_and_r
     assert message_key("entropy sample 1 token 3: got 1") != message_key("log_probs sample 1 token 3: got 1")
 
 
-@pytest.fixture
-def history(tmp_path):
+def make_history(root: Path) -> tuple[Path, dict[str, str]]:
     """c1 correct, c2 does not import, c3 correct, c4 plants a bug (tagged v1), c5 touches only a
     README, c6 fixes the bug (tagged v2)."""
-    repo = tmp_path / "fake-slime"
+    repo = root / "fake-slime"
     repo.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     for pkg in ("slime", "slime/backends", "slime/backends/megatron_utils"):
@@ -88,6 +86,11 @@ def history(tmp_path):
     return repo, c
 
 
+@pytest.fixture
+def history(tmp_path):
+    return make_history(tmp_path)
+
+
 def _state(repo: Path) -> tuple[str, str, list[str]]:
     status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--ignored"], capture_output=True,
                             text=True).stdout
@@ -99,19 +102,70 @@ def _scratch() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("shardcheck-sweep-*")}
 
 
-def test_the_sweep_finds_the_bug_from_its_commit_to_its_fix_and_a_second_sweep_runs_nothing(history, tmp_path):
+def _sweep_cli(*args: str) -> subprocess.Popen:
+    """``shardcheck sweep ARGS`` as a terminal runs it: SIGINT's handler Python's default (a process
+    started from a background thread or an xdist worker may inherit SIGINT ignored), in a session
+    of its own, so that a Ctrl-C can reach its whole process group."""
+    from conftest import cli_env
+
+    launch = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+              "os.execv(sys.executable, [sys.executable, '-m', 'shardcheck', 'sweep', *sys.argv[1:]])")
+    return subprocess.Popen([sys.executable, "-c", launch, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=cli_env())
+
+
+def _sweeps(folder: Path) -> dict:
+    """The sweep of the history with every report, the same sweep again (its cache full), and one
+    interrupted by SIGINT after its first commit: subprocesses, run while other tests go on."""
+    repo, c = make_history(folder)
+    out: dict = {"repo": str(repo), "commits": c, "scratch_before": _scratch()}
+    before = _state(repo)
+    args = ["--target", "slime", "--src-repo", str(repo), *SCENARIO]
+    first = _sweep_cli(*args, "--cache", str(folder / "cache"), "--tags", "--json", str(folder / "s.json"),
+                       "--html", str(folder / "s.html"))
+    out["first"] = (*first.communicate(timeout=240), first.returncode)
+    out["json"], out["html"] = json.loads((folder / "s.json").read_text()), (folder / "s.html").read_text()
+    again = _sweep_cli(*args, "--cache", str(folder / "cache"), "--json", str(folder / "again.json"))
+    out["again"] = (*again.communicate(timeout=120), again.returncode)
+    out["again_json"] = json.loads((folder / "again.json").read_text())
+    out["repo_unchanged"] = _state(repo) == before
+    proc = _sweep_cli(*args, "--cache", str(folder / "cache2"), "--json", str(folder / "int.json"))
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "[1/5]" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0 and time.time() < deadline:
+        time.sleep(0.2)
+    out["interrupted"] = {"code": proc.returncode, "stdout": stdout,
+                          "json": json.loads((folder / "int.json").read_text()),
+                          "left": subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0,
+                          "kept": len([p for p in (folder / "cache2").rglob("*.json") if p.name != "configuration.json"])}
+    out["scratch_after"] = _scratch()
+    return out
+
+
+BACKGROUND = {"sweep-history": (_sweeps, 600)}
+
+
+@pytest.mark.background("sweep-history")
+def test_the_sweep_finds_the_bug_from_its_commit_to_its_fix_and_a_second_sweep_runs_nothing(background):
     """End to end on a real world: 5 commits selected (c5 touches no reached file), c4 -> c6 the one
     interval, carried by release v1 and not v2, c2 shown as cannot run; every cell in the JSON, the
     HTML's cells link to their replay and repro lines; the clone unchanged, no scratch folder left.
     The same sweep again takes every cell from the cache and starts no world."""
-    repo, c = history
-    before, scratch = _state(repo), _scratch()
-    out_json, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
-    cache = ["--cache", str(tmp_path / "cache")]
-    res = run_cli("sweep", "--target", "slime", "--src-repo", str(repo), *SCENARIO, *cache, "--tags",
-                  "--json", str(out_json), "--html", str(page), timeout=240)
-    assert res.returncode == 0, res.stderr[-2000:]
-    doc = json.loads(out_json.read_text())
+    done = background("sweep-history")
+    c = done["commits"]
+    stdout, stderr, code = done["first"]
+    assert code == 0, stderr[-2000:]
+    doc = done["json"]
     assert [x["subject"] for x in doc["commits"]] == ["c1 correct", "c2 does not import", "c3 correct again",
                                                       "c4 plants a bug", "c6 fixes the bug"]
     states = [x["cells"]["thd-tp1cp1-basic"]["state"] for x in doc["commits"]]
@@ -119,55 +173,32 @@ def test_the_sweep_finds_the_bug_from_its_commit_to_its_fix_and_a_second_sweep_r
     (iv,) = doc["intervals"]
     assert (iv["first_bad"]["sha"], iv["first_good"]["sha"]) == (c["c4"], c["c6"]) and iv["releases"] == ["v1"]
     assert doc["cells_run"] == 5
-    assert f"fixed at {c['c6'][:10]}" in res.stdout and "releases: v1" in res.stdout
-    assert "could not run at all (never counted as passes)" in res.stdout
-    html = page.read_text()
+    assert f"fixed at {c['c6'][:10]}" in stdout and "releases: v1" in stdout
+    assert "could not run at all (never counted as passes)" in stdout
+    html = done["html"]
     assert html.count("<td class=fail") == 1 and html.count("<td class=cannot") == 1
     assert f"shardcheck repro --target slime --target-src /tmp/shardcheck-{c['c4'][:10]}" in html
-    assert "[1/5]" in res.stderr and c["c1"][:10] in res.stderr
-    assert _state(repo) == before and _scratch() == scratch
-
-    again = run_cli("sweep", "--target", "slime", "--src-repo", str(repo), *SCENARIO, *cache,
-                    "--json", str(out_json), timeout=120)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert json.loads(out_json.read_text())["cells_run"] == 0 and "starting" not in again.stderr
-    assert again.stdout.splitlines()[1:] == [ln for ln in res.stdout.splitlines()[1:] if "releases" not in ln] or \
-        "1 failure intervals, 1 fixed, 0 open" in again.stdout
+    assert "[1/5]" in stderr and c["c1"][:10] in stderr
+    assert done["repo_unchanged"]
+    again_out, again_err, again_code = done["again"]
+    assert again_code == 0, again_err[-2000:]
+    assert done["again_json"]["cells_run"] == 0 and "starting" not in again_err
+    assert "1 failure intervals, 1 fixed, 0 open" in again_out
 
 
-def test_ctrl_c_stops_the_sweep_cleanly_and_keeps_what_was_done(history, tmp_path):
-    """SIGINT after the first commit: exit 130 with what was done, no scratch folder, no process of
-    its left, and every commit finished in the cache for the next sweep to start from."""
-    repo, _ = history
-    scratch = _scratch()
-    cmd = [sys.executable, "-m", "shardcheck", "sweep", "--target", "slime", "--src-repo", str(repo), *SCENARIO,
-           "--cache", str(tmp_path / "cache"), "--json", str(tmp_path / "s.json")]
-    # a terminal's Ctrl-C: SIGINT to the whole process group, whose handler is Python's default
-    # (a pytest-xdist worker ignores SIGINT, and a child inherits that)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if "[1/5]" in line:
-                break
-        os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, out
-    assert out.startswith("interrupted after")
-    done = json.loads((tmp_path / "s.json").read_text())["cells_run"]
-    assert 1 <= done < 5
-    deadline = time.time() + 10
-    while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0 and time.time() < deadline:
-        time.sleep(0.2)
-    assert subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode != 0, "processes left"
-    assert _scratch() == scratch
-    # what was done is kept: the next sweep starts from it (the cache's reuse: the test above)
-    kept = [p for p in (tmp_path / "cache").rglob("*.json") if p.name != "configuration.json"]
-    assert len(kept) == done
+@pytest.mark.background("sweep-history")
+def test_ctrl_c_stops_the_sweep_cleanly_and_keeps_what_was_done(background):
+    """SIGINT to the process group after the first commit, as a terminal's Ctrl-C: exit 130 with
+    what was done, no scratch folder, no process of its left, and every commit finished in the
+    cache for the next sweep to start from (the cache's reuse: the test above)."""
+    done = background("sweep-history")
+    got = done["interrupted"]
+    assert got["code"] == 130, got["stdout"]
+    assert got["stdout"].startswith("interrupted after")
+    ran = got["json"]["cells_run"]
+    assert 1 <= ran < 5 and got["kept"] == ran
+    assert not got["left"], "processes left"
+    assert done["scratch_after"] == done["scratch_before"]
 
 
 @pytest.mark.parametrize("args, says", [
