@@ -45,10 +45,10 @@ class Sweep(Command):
                                help=f"--src-repo GIT_DIR, the target {name} unless --target says otherwise")
         b.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                        help="an option for the target (repeatable)")
-        when = b.add_mutually_exclusive_group()
-        when.add_argument("--since", metavar="DATE", help="only commits since DATE (git's --since: 2025-06-01)")
-        when.add_argument("--range", dest="revisions", metavar="A..B",
-                          help="only the commits of A..B (default: every commit up to HEAD)")
+        b.add_argument("--since", metavar="DATE", help="only commits since DATE (git's --since: 2025-06-01)")
+        b.add_argument("--range", dest="revisions", metavar="A..B",
+                       help="only the commits of A..B, or up to B (default: every commit up to HEAD); with --since, "
+                            "those of them since DATE")
         b.add_argument("--suite", default=None, help="the suite to run at each commit (default: regressions)")
         b.add_argument("--scenario-file", metavar="FILE", help="JSON file with the scenarios to run at each commit")
         b.add_argument("--scenario", action="append", default=[], metavar="NAME", help="only these scenarios")
