@@ -256,17 +256,20 @@ class BuiltinTarget(TargetBase):
         return _GatherUnpadded.apply(value[:counts[inputs.sp_rank]], counts, self.sp_group(inputs), self)
 
     def sp_group(self, inputs: RankInputs) -> Any:
-        """The sp group of its own DeviceMesh (dp, sp, tp), built by ``init_device_mesh`` once per
+        """The sp group of its own DeviceMesh (dp, sp[, tp]), built by ``init_device_mesh`` once per
         world as the FSDP frameworks build theirs; the given sp group outside a harness."""
         if inputs.world is None:
             return inputs.sp_group
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (dist.get_world_size() // (inputs.sp_size * inputs.tp_size), inputs.sp_size, inputs.tp_size)
+        # (dp, sp), as verl's; a tp dimension only where there is TP (a simulated world of 64 ranks
+        # would make 64 one-rank groups per rank for nothing)
+        dims = {"dp": dist.get_world_size() // (inputs.sp_size * inputs.tp_size), "sp": inputs.sp_size,
+                **({"tp": inputs.tp_size} if inputs.tp_size > 1 else {})}
         mesh = inputs.framework_groups(
-            ("builtin", shape),
-            lambda: init_device_mesh(inputs.logits.device.type, shape, mesh_dim_names=("dp", "sp", "tp")),
-            lambda m: {name: m[name].get_group() for name in ("dp", "sp", "tp")})
+            ("builtin", tuple(dims.items())),
+            lambda: init_device_mesh(inputs.logits.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims)),
+            lambda m: {name: m[name].get_group() for name in dims})
         return mesh["sp"].get_group()
 
     def contribution(self, value: torch.Tensor, before: int, response: int) -> torch.Tensor:
