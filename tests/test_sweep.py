@@ -44,6 +44,18 @@ def test_an_interval_ends_at_the_first_good_commit_and_one_still_failing_is_open
     assert still.open and still.first_bad.subject == "c4" and still.signature.kind == "collective_mismatch"
 
 
+def test_an_interval_ends_as_fixed_as_giving_way_or_as_unresolved_when_the_scenario_stops_running():
+    """A first good commit where the scenario fails otherwise is no fix; a signature last seen before
+    the scenario stops running (its layout gone) is not open at the newest commit."""
+    (gives_way, then) = timeline(_result({"a": [OK, BUG, HANG, OK]}))
+    assert gives_way.state == "changed" and gives_way.first_good.subject == "c2"
+    assert then.state == "fixed" and then.first_good.subject == "c3"
+    (gone,) = timeline(_result({"a": [OK, BUG, BUG, SKIPPED, NO]}))
+    assert gone.state == "unresolved" and not gone.open and [c.subject for c in gone.after] == ["c3", "c4"]
+    (still,) = timeline(_result({"a": [OK, BUG, SKIPPED, BUG]}))
+    assert still.state == "open" and still.open and still.after == []
+
+
 def test_a_commit_that_cannot_run_or_skips_neither_ends_nor_starts_an_interval():
     """Inside a failing run, a commit that cannot run is unknown, never a pass; before one, it makes
     the start inexact ("or earlier")."""
@@ -183,7 +195,7 @@ def test_the_sweep_finds_the_bug_from_its_commit_to_its_fix_and_a_second_sweep_r
     again_out, again_err, again_code = done["again"]
     assert again_code == 0, again_err[-2000:]
     assert done["again_json"]["cells_run"] == 0 and "starting" not in again_err
-    assert "1 failure intervals, 1 fixed, 0 open" in again_out
+    assert "1 failure intervals, 1 fixed, 0 giving way to another failure, 0 open" in again_out
 
 
 @pytest.mark.background("sweep-history")

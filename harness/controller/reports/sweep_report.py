@@ -54,11 +54,16 @@ def _when(commit: Commit) -> str:
 
 def interval_line(iv: Interval, releases: list[str]) -> str:
     start = f"{iv.first_bad.short} ({_when(iv.first_bad)})" + (" or earlier" if iv.before_unknown else "")
-    if iv.open:
-        end = f"still failing at {iv.last_bad.short} ({_when(iv.last_bad)})"
+    state = iv.state
+    if state == "open":
+        end = f"still failing at {iv.last_bad.short} ({_when(iv.last_bad)}), the newest"
+    elif state == "unresolved":
+        end = (f"last failing at {iv.last_bad.short} ({_when(iv.last_bad)}); the scenario could not run on the "
+               f"{len(iv.after)} commit(s) after it")
     else:
         assert iv.first_good is not None
-        end = f"fixed at {iv.first_good.short} ({_when(iv.first_good)}) \"{iv.first_good.subject[:70]}\""
+        verb = "fixed at" if state == "fixed" else "gives way to another failure at"
+        end = f"{verb} {iv.first_good.short} ({_when(iv.first_good)}) \"{iv.first_good.subject[:70]}\""
     unknown = f"; {len(iv.unknown)} commit(s) inside could not say" if iv.unknown else ""
     carried = f"; releases: {', '.join(releases)}" if releases else ""
     return f"  {iv.signature.label()}\n      from {start}, {end}{unknown}{carried}"
@@ -68,15 +73,18 @@ def terminal(result: SweepResult, intervals: list[Interval], releases: dict[int,
     lines = []
     cannot = [c for c in result.commits
               if result.cells.get(c.sha) and all(cell.state == CANNOT_RUN for cell in result.cells[c.sha].values())]
-    fixed = [iv for iv in intervals if not iv.open]
-    still = [iv for iv in intervals if iv.open]
+    groups = {state: [iv for iv in intervals if iv.state == state]
+              for state in ("open", "unresolved", "fixed", "changed")}
     head = (f"{len(result.commits)} commits x {len(result.scenarios)} scenarios "
             f"({result.ran} cells run, {len(result.commits) * len(result.scenarios) - result.ran} from the cache): "
-            f"{len(intervals)} failure intervals, {len(fixed)} fixed, {len(still)} open")
+            f"{len(intervals)} failure intervals, {len(groups['fixed'])} fixed, {len(groups['changed'])} giving way "
+            f"to another failure, {len(groups['open'])} open, {len(groups['unresolved'])} unresolved")
     lines.append(head if not result.interrupted else f"interrupted after {len(result.cells)} commits: " + head)
-    for title, group in (("open", still), ("fixed", fixed)):
+    titles = {"open": "open (failing at the newest commit):", "unresolved": "unresolved (the scenario stopped running):",
+              "fixed": "fixed:", "changed": "giving way to another failure:"}
+    for state, group in groups.items():
         if group:
-            lines.append(f"{title}:")
+            lines.append(titles[state])
             lines.extend(interval_line(iv, releases.get(id(iv), [])) for iv in group)
     if cannot:
         shown = ", ".join(f"{c.short}" for c in cannot[:8]) + (", ..." if len(cannot) > 8 else "")

@@ -99,9 +99,10 @@ class Signature:
 
 @dataclass
 class Interval:
-    """Where a signature fails: from ``first_bad`` up to ``first_good`` (None: still failing at
-    the last commit checked); commits between that could not run are listed, never counted as
-    passes."""
+    """Where a signature fails: from ``first_bad`` up to ``first_good``, the next commit where the
+    scenario ran without it; commits between that could not run are listed, never counted as
+    passes. Without a first good commit the interval is open (failing at the newest commit) or,
+    when the scenario could not run on the commits after ``last_bad``, unresolved."""
 
     signature: Signature
     first_bad: Commit
@@ -109,16 +110,26 @@ class Interval:
     first_good: Commit | None
     unknown: list[Commit] = field(default_factory=list)  # cannot run / skipped inside the interval
     before_unknown: bool = False  # the commit before first_bad could not say (the start is not exact)
+    good_fails_otherwise: bool = False  # at first_good the scenario fails, with other signatures
+    after: list[Commit] = field(default_factory=list)  # past last_bad, none of them able to say
+
+    @property
+    def state(self) -> str:
+        """fixed (the scenario passes at first_good), changed (it fails otherwise there), open
+        (failing at the newest commit checked) or unresolved (it could not run after last_bad)."""
+        if self.first_good is not None:
+            return "changed" if self.good_fails_otherwise else "fixed"
+        return "unresolved" if self.after else "open"
 
     @property
     def open(self) -> bool:
-        return self.first_good is None
+        return self.state == "open"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"signature": asdict(self.signature), "first_bad": asdict(self.first_bad),
+        return {"signature": asdict(self.signature), "state": self.state, "first_bad": asdict(self.first_bad),
                 "last_bad": asdict(self.last_bad), "first_good": asdict(self.first_good) if self.first_good else None,
                 "open": self.open, "unknown_inside": [c.sha for c in self.unknown],
-                "start_not_exact": self.before_unknown}
+                "start_not_exact": self.before_unknown, "unknown_after": [c.sha for c in self.after]}
 
 
 def signatures_of(cell: Cell, scenario: str) -> set[Signature]:
@@ -146,12 +157,15 @@ def timeline(result: SweepResult) -> list[Interval]:
                     interval.last_bad = commit
                 else:
                     interval.first_good = commit
+                    interval.good_fails_otherwise = cell.state == FAIL
                     intervals.append(open_.pop(sig))
             for sig in now - set(open_):
                 open_[sig] = Interval(sig, commit, commit, None,
                                       before_unknown=bool(pending_unknown) and last_known_state is not None)
             pending_unknown = []
             last_known_state = cell.state
+        for interval in open_.values():
+            interval.after = list(pending_unknown)
         intervals.extend(open_.values())
     order = {c.sha: i for i, c in enumerate(result.commits)}
     return sorted(intervals, key=lambda iv: (order[iv.first_bad.sha], iv.signature.scenario, iv.signature.kind))
