@@ -244,3 +244,22 @@ def test_a_commit_that_cannot_be_exported_is_shown_as_cannot_run_and_not_cached(
     cache = engine.SweepCache(tmp_path / "cache", {"k": 1})
     result = engine.sweep([Commit("0" * 40, "2025-01-01", "gone")], [sc], cache, check)
     assert result.cells["0" * 40][sc.name].state == CANNOT_RUN and cache.load("0" * 40) == {}
+
+
+def test_the_cache_key_follows_the_code_a_cell_depends_on_and_not_how_it_is_shown(tmp_path):
+    """A changed adapter (targets/) gives another digest; a changed report or the sweep's own
+    bookkeeping does not (their cells stay valid). On a copy of the layout, not the installed code."""
+    files = {"targets/builtin.py": "x = 1\n", "harness/controller/reports/sweep_report.py": "y = 1\n",
+             "harness/controller/commands/sweep.py": "z = 1\n", "harness/rank/main.py": "w = 1\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    roots = [tmp_path / "targets", tmp_path / "harness"]
+    base = engine.code_digest(roots)
+    for rel, same in (("harness/controller/reports/sweep_report.py", True),
+                      ("harness/controller/commands/sweep.py", True), ("targets/builtin.py", False),
+                      ("harness/rank/main.py", False)):
+        (tmp_path / rel).write_text(files[rel] + "# changed\n")
+        assert (engine.code_digest(roots) == base) is same, rel
+        (tmp_path / rel).write_text(files[rel])
+    assert engine.code_digest(roots) == base

@@ -115,18 +115,34 @@ def default_cache_dir() -> Path:
     return base / "shardcheck" / "sweep"
 
 
-def code_digest() -> str:
-    """shardcheck's version and a digest of its own Python sources: a cell computed by other code
-    (an adapter fixed since) is not reused."""
-    import shardcheck
-    from shardcheck import harness, reference, scenarios, targets
+# modules whose changes cannot change a cell: how results are shown and how a command line or a
+# sweep is read (a report's wording, a sweep's own bookkeeping); everything else a cell may depend on
+_NOT_IN_CELLS = frozenset({
+    *(f"controller/reports/{m}.py" for m in ("run_report", "html_report", "fuzz_report", "invariance_report",
+                                             "reach_report", "report_file", "sweep_report", "sweep_timeline")),
+    *(f"controller/commands/{m}.py" for m in ("sweep", "sweep_workers", "commit_check")),
+    "cli.py", "command.py", "check_commands.py", "info_commands.py", "sweep_command.py"})
 
+
+def code_digest(roots: Sequence[Path] | None = None) -> str:
+    """shardcheck's version and a digest of its own Python sources that a cell depends on (the
+    targets, the rank side, the scenarios, the reference, the verdicts): a cell computed by other
+    code (an adapter fixed since) is not reused; a change to how results are shown keeps them.
+    ``roots``: the package folders (default: shardcheck's and those mapped into it)."""
+    import shardcheck
+
+    if roots is None:
+        from shardcheck import harness, reference, scenarios, targets
+
+        roots = [Path(shardcheck.__file__).parent, *(Path(p) for m in (harness, reference, scenarios, targets)
+                                                      for p in m.__path__)]
     h = hashlib.sha256(shardcheck.__version__.encode())
-    roots = [Path(shardcheck.__file__).parent, *(Path(p) for m in (harness, reference, scenarios, targets)
-                                                  for p in m.__path__)]
     for root in roots:
         for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode())
+            rel = path.relative_to(root).as_posix()
+            if rel in _NOT_IN_CELLS:
+                continue
+            h.update(rel.encode())
             h.update(path.read_bytes())
     return f"{shardcheck.__version__}+{h.hexdigest()[:12]}"
 
