@@ -292,6 +292,8 @@ POLICY_ARGS: dict[str, Any] = {
     "kl_loss_type": "low_var_kl",
     "use_unbiased_kl": False,
     "recompute_loss_function": False,
+    # TIS as #179 named it (renamed use_tis by #234): slime's default, off
+    "enable_off_policy_correction": False,
 }
 
 
@@ -301,6 +303,15 @@ class SlimePolicyLossTarget(SlimeTarget):
 
     name = "slime:policy_loss"
     loss_form = "policy"
+
+    def __init__(self, src: str | None = None, layout: str = "framework") -> None:
+        super().__init__(src, layout)
+        tree = FRAMEWORK.parse(self.src, LOSS_FILE)
+        if not functions_named(tree, "policy_loss_function"):
+            # before 2ad9627a2 ("bugfix", 2025-07-05) the policy loss was policy_loss_func(args, batch,
+            # num_microbatches, logits), with no loss_function to dispatch to it: an era not modelled
+            raise BadInput(f"slime at {self.short()} has no policy_loss_function in {LOSS_FILE} (its policy loss "
+                           "before 2ad9627a2 was policy_loss_func, which this adapter does not call)")
 
     def passes_keep_sets(self) -> bool:
         return self.era.policy_top_p_replay

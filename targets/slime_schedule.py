@@ -10,8 +10,10 @@ is a rollout of its own, and the scenario is one step (``global_batch_size`` = i
 
 from __future__ import annotations
 
+import ast
 import copy
 import heapq
+import inspect
 import logging
 from argparse import Namespace
 from pathlib import Path
@@ -34,7 +36,11 @@ def build_dp_schedule(src: Path) -> Any:
                               {"copy": copy, "heapq": heapq})
     given = {name: balancing[name] for name in ("first_fit_pack", "expand_bins_by_splitting",
                                                 "get_seqlen_balanced_partitions")}
-    schedule = compile_alone(src / SCHEDULE_FILE, ["build_dp_schedule", "_pack_step_into_mbs", "_calculate_workloads"],
+    # its helpers as the commit has them (#1926 packed inline; #2017 moved the packing into
+    # _pack_step_into_mbs with a FLOPs workload beside it)
+    defined = {n.name for n in ast.parse((src / SCHEDULE_FILE).read_text()).body if isinstance(n, ast.FunctionDef)}
+    helpers = [n for n in ("_pack_step_into_mbs", "_calculate_workloads") if n in defined]
+    schedule = compile_alone(src / SCHEDULE_FILE, ["build_dp_schedule", *helpers],
                              {"logger": logging.getLogger("slime.utils.dp_schedule"), **given},
                              off_path=["calculate_fwd_flops"])  # FLOPs balancing only: off by default
     return schedule["build_dp_schedule"]
@@ -51,9 +57,11 @@ def split(build: Any, totals: list[int], dp: int, cp: int, micro_batch_size: int
                      max_tokens_per_gpu=micro_batch_tokens // cp if micro_batch_tokens else None,
                      micro_batch_size=micro_batch_size or len(totals) // dp, balance_data=False, balance_by_flops=False)
     config = {"dp_size": dp, "cp_size": cp, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+    # rollout_indices came with #2017 (and a fourth result); #1926's build_dp_schedule took neither
+    takes_indices = "rollout_indices" in inspect.signature(build).parameters
+    more = {"rollout_indices": list(range(len(totals)))} if takes_indices else {}
     try:
-        partitions, micro_batch_indices, _, _ = build(args, config, list(totals), global_batch_size=len(totals),
-                                                      rollout_indices=list(range(len(totals))))
+        partitions, micro_batch_indices, *_ = build(args, config, list(totals), global_batch_size=len(totals), **more)
     except AssertionError as exc:  # slime's own checks of its configuration
         raise ValueError(f"slime's build_dp_schedule refuses it: {' '.join(str(exc).split())}") from None
     return [[tuple(partitions[r][j] for j in mb) for mb in micro_batch_indices[r]] for r in range(dp)]
