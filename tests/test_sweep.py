@@ -190,6 +190,8 @@ def test_the_sweep_finds_the_bug_from_its_commit_to_its_fix_and_a_second_sweep_r
     html = done["html"]
     assert html.count("<td class=fail") == 1 and html.count("<td class=cannot") == 1
     assert f"shardcheck repro --target slime --target-src /tmp/shardcheck-{c['c4'][:10]}" in html
+    # a passing cell links to its commit's lines, which name the scenario to replay
+    assert f'href="#c-{c["c1"][:10]}"' in html and f'id="c-{c["c1"][:10]}"' in html
     assert "[1/5]" in stderr and c["c1"][:10] in stderr
     assert done["repo_unchanged"]
     again_out, again_err, again_code = done["again"]

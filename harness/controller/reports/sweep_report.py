@@ -145,7 +145,9 @@ def page(result: SweepResult, intervals: list[Interval], releases: dict[int, lis
                 state = "fail" if isinstance(row, str) or row in signatures_of(cell, name) else "pass"
             else:
                 state = {PASS: "pass", SKIP: "skip", CANNOT_RUN: "cannot"}[cell.state]
-            anchor = f"{c.sha[:10]}-{name}"
+            # a passing cell links to its commit's lines (the scenario named in them); the others
+            # to their own, with what was found (a page of every cell's lines would be megabytes)
+            anchor = f"{c.sha[:10]}-{name}" if cell.state != PASS else f"c-{c.sha[:10]}"
             title = cell.why or state
             out.append(f"<td class={state} title=\"{e(c.short)} {e(name)}: {e(title)}\"><a href=\"#{e(anchor)}\">"
                        f"&nbsp;</a></td>")
@@ -160,6 +162,12 @@ def page(result: SweepResult, intervals: list[Interval], releases: dict[int, lis
         if anchor in seen:
             continue
         seen.add(anchor)
+        if cell.state == PASS:
+            out.append(f"<div id=\"{e(anchor)}\"><h3>{e(c.short)} {e(_when(c))} {e(c.subject)}</h3>"
+                       f"<p>replay a scenario: <code>{e(context.replay(c.sha, 'SCENARIO'))}</code></p>"
+                       f"<p>as a script: <code>{e(context.export_line(c.sha))} && "
+                       f"{e(context.repro(c.sha, 'SCENARIO'))}</code></p></div>")
+            continue
         what = cell.state + (f": {cell.why}" if cell.why else "")
         fails = "".join(f"<li>{e(k)}{' in ' + e(p) if p else ''}: {e(m)}</li>" for k, p, m in cell.failures)
         out.append(f"<div id=\"{e(anchor)}\"><h3>{e(c.short)} {e(_when(c))} {e(name)}</h3><p>{e(what)}</p>"
