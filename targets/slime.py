@@ -294,6 +294,9 @@ POLICY_ARGS: dict[str, Any] = {
     "recompute_loss_function": False,
     # TIS as #179 named it (renamed use_tis by #234): slime's default, off
     "enable_off_policy_correction": False,
+    # read by the loss of July 2025 (before 2ad9627a2): slime's default; the scenarios of that era's
+    # suites hand no token budget
+    "use_dynamic_batch_size": False,
 }
 
 
@@ -332,6 +335,10 @@ class SlimePolicyLossTarget(SlimeTarget):
             self._policy_module = module
         return self._policy_fns
 
+    def _mask_sums_key(self) -> str:
+        text = (self.src / LOSS_FILE).read_text()
+        return "group_mask_sums" if "group_mask_sums" in text and "rollout_mask_sums" not in text else "rollout_mask_sums"
+
     def args(self, inputs: RankInputs) -> _Args:
         args = super().args(inputs)
         for key, value in POLICY_ARGS.items():
@@ -350,7 +357,8 @@ class SlimePolicyLossTarget(SlimeTarget):
             "advantages": [a.to(device) for a in inputs.policy.advantages],
             "log_probs": [lp.to(device) for lp in inputs.policy.old_log_probs],
             "loss_masks": masks,
-            "rollout_mask_sums": [m.sum() for m in masks],
+            # #1984 named them group_mask_sums until its revert (44d29ee59): the loss reads that key then
+            self._mask_sums_key(): [m.sum() for m in masks],
         }
         if inputs.keep_sets is not None:  # as slime's rollout stores them: ids and offsets per sample
             from shardcheck.scenarios.keep import to_ids_offsets

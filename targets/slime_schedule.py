@@ -57,9 +57,10 @@ def split(build: Any, totals: list[int], dp: int, cp: int, micro_batch_size: int
                      max_tokens_per_gpu=micro_batch_tokens // cp if micro_batch_tokens else None,
                      micro_batch_size=micro_batch_size or len(totals) // dp, balance_data=False, balance_by_flops=False)
     config = {"dp_size": dp, "cp_size": cp, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
-    # rollout_indices came with #2017 (and a fourth result); #1926's build_dp_schedule took neither
-    takes_indices = "rollout_indices" in inspect.signature(build).parameters
-    more = {"rollout_indices": list(range(len(totals)))} if takes_indices else {}
+    # rollout_indices came with #2017 (and a fourth result); #1926's build_dp_schedule took neither;
+    # #1984 named them group_indices until its revert: every sample a rollout, a group, of its own
+    params = inspect.signature(build).parameters
+    more = {name: list(range(len(totals))) for name in ("rollout_indices", "group_indices") if name in params}
     try:
         partitions, micro_batch_indices, *_ = build(args, config, list(totals), global_batch_size=len(totals), **more)
     except AssertionError as exc:  # slime's own checks of its configuration

@@ -455,3 +455,30 @@ def test_slime_loss_takes_loss_function_from_the_module_it_records_in(tmp_path):
     kinds = {f["kind"] for sc in json.loads((tmp_path / "r.json").read_text())["scenarios"]
              for f in sc.get("failures", [])}
     assert kinds == {"mask_leak"}, res.stdout[-3000:]
+
+
+# slime:loss's eras the sweep found the adapter did not model (docs/slime.md, "A sweep of slime's
+# history"): each runs now, showing slime's own findings, or is refused as an era not modelled
+ERAS = {
+    "e0be9a075": None,  # policy_loss_func, no loss_function: cannot run
+    "fcbc9972c": {"grad_mismatch", "input_mutated"},  # its loss a sum of sample means (x samples), fixed by
+    # 2ad9627a2 "bugfix"; the in-place temperature of the day (#214)
+    "067d65a4a": {"grad_mismatch"},  # #179's enable_off_policy_correction read (megatron's bfloat16 gradient)
+    "2f4bd0d88": {"grad_mismatch"},  # #1926's build_dp_schedule (helpers inline, no rollout_indices)
+    "a3c5462a7": {"grad_mismatch"},  # #1984's group_indices and group_mask_sums
+}
+
+
+@needs_slime_history
+@pytest.mark.world
+@pytest.mark.parametrize("commit", list(ERAS))
+def test_slime_loss_runs_each_era_or_says_it_cannot(commit, tmp_path):
+    src = export_commit(os.environ[REPO_ENV], commit, tmp_path / "slime")
+    res = run_cli("run", "--target", "slime:loss", "--target-src", src, "--suite", "regressions", "--scenario",
+                  "thd-tp2-chunks", "--no-mask-leak", "--json-report", str(tmp_path / "r.json"))
+    if ERAS[commit] is None:
+        assert res.returncode == 2 and "has no policy_loss_function" in res.stderr, res.stderr
+        return
+    kinds = {f["kind"] for sc in json.loads((tmp_path / "r.json").read_text())["scenarios"]
+             for f in sc.get("failures", [])}
+    assert kinds == ERAS[commit], res.stdout[-3000:]
