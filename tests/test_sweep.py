@@ -265,3 +265,23 @@ def test_the_cache_key_follows_the_code_a_cell_depends_on_and_not_how_it_is_show
         assert (engine.code_digest(roots) == base) is same, rel
         (tmp_path / rel).write_text(files[rel])
     assert engine.code_digest(roots) == base
+
+
+def test_an_adapter_failing_before_any_rank_runs_is_cannot_run_and_the_sweep_goes_on(history, tmp_path, monkeypatch):
+    """A target whose controller-side planning raises at one commit (an era it does not model):
+    that commit's cells say so as "cannot run", naming the adapter; nothing escapes the sweep."""
+    from shardcheck.harness.controller.commands import runner
+    from shardcheck.scenarios import get_suite
+
+    repo, c = history
+    sc = next(s for s in get_suite("smoke") if s.name == "thd-tp1cp1-basic")
+
+    def planning_fails(*args, **kwargs):
+        raise TypeError("build_dp_schedule() missing 1 required keyword-only argument: 'group_indices'")
+
+    monkeypatch.setattr(runner, "run", planning_fails)
+    check = engine.CommitCheck(repo, [sc], type("C", (), {"target": "slime", "with_source": lambda self, s: self})(),
+                               world=object(), scratch=tmp_path)
+    result = engine.sweep([Commit(c["c1"], "2025-01-01", "c1")], [sc], engine.SweepCache(tmp_path / "k", {}), check)
+    cell = result.cells[c["c1"]][sc.name]
+    assert cell.state == CANNOT_RUN and "adapter failed before any rank ran" in cell.why and "group_indices" in cell.why

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardcheck.errors import BadInput
+from shardcheck.errors import BadInput, WorldError
 from shardcheck.harness.controller.reports.sweep_timeline import CANNOT_RUN, Cell, cells_of
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.source import EXPORTED_COMMIT
@@ -75,6 +75,14 @@ class CommitCheck:
                                     timeout=self.timeout, config=self.config.with_source(str(tree)))
             except BadInput as exc:  # the target cannot be built at this commit (its era, its files)
                 why = str(exc).replace(str(tree), f"<{sha[:10]}>")[:300]
+                return {sc.name: Cell(CANNOT_RUN, why=why) for sc in todo}
+            except WorldError:
+                raise  # no world: nothing further can be checked (one line, the command's error)
+            except Exception as exc:  # noqa: BLE001  (the adapter's own planning failed at this commit)
+                # shardcheck's, not the framework's: an era the target does not model, said as such;
+                # one commit's failure must not end the sweep
+                text = " ".join(f"{type(exc).__name__}: {exc}".split()).replace(str(tree), f"<{sha[:10]}>")
+                why = f"the target's adapter failed before any rank ran (an era it does not model): {text}"[:300]
                 return {sc.name: Cell(CANNOT_RUN, why=why) for sc in todo}
             self.runs += len(todo)
             # the scratch tree's path means nothing after it is gone: the commit names it
