@@ -18,11 +18,11 @@ from typing import Any
 
 from shardcheck.command import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_CHECKED, EXIT_OK, EXIT_TERMINATED,
                                 Command, Plan, Terminated, check_coverage, check_reports, check_switches, check_world,
-                                json_report, key_value, name_list, register, repeat_args, repro_command, run_config,
-                                scenario_options, search_options, select, unwritten, world_options, writable)
+                                history_options, history_target, json_report, name_list, register, repeat_args,
+                                repro_command, run_config, scenario_options, search_options, select, unwritten,
+                                world_options, writable)
 from shardcheck.errors import BadInput
 from shardcheck.run_options import in_effect
-from shardcheck.targets.source import source_names
 
 
 @register
@@ -182,17 +182,7 @@ class Bisect(Command):
     help = "find the first commit of a target's source where a suite's verdict changes"
 
     def add_options(self, b: argparse.ArgumentParser) -> None:
-        b.add_argument("--target", default=None,
-                       help="a target that takes a source checkout, NAME or NAME:VARIANT, e.g. slime:policy_loss "
-                            "(default: NAME of the --NAME-repo given)")
-        repos = b.add_mutually_exclusive_group(required=True)
-        repos.add_argument("--src-repo", dest="src_repo", metavar="GIT_DIR",
-                           help="the target's git repository, a clone with its history (only read)")
-        for name in source_names():
-            repos.add_argument(f"--{name.replace('_', '-')}-repo", dest=f"repo_{name}", metavar="GIT_DIR",
-                               help=f"--src-repo GIT_DIR, the target {name} unless --target says otherwise")
-        b.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=key_value,
-                       help="an option for the target (repeatable)")
+        history_options(b)
         b.add_argument("--good", required=True, metavar="REV", help="the older commit")
         b.add_argument("--bad", required=True, metavar="REV", help="the newer commit")
         b.add_argument("--suite", default="regressions", help="the suite to run at each commit (default: regressions)")
@@ -200,17 +190,7 @@ class Bisect(Command):
         world_options(b, timeout_only=True)
 
     def plan(self, args: argparse.Namespace) -> Plan:
-        repo, target = args.src_repo, args.target
-        for name in source_names():
-            if getattr(args, f"repo_{name}", None):
-                repo = getattr(args, f"repo_{name}")
-                if target is None:
-                    target = name
-                elif target.partition(":")[0] != name:
-                    raise BadInput(f"--{name.replace('_', '-')}-repo names a {name} repository, but --target is "
-                                   f"{target!r}")
-        if target is None:
-            raise BadInput("bisect --src-repo needs --target NAME (or give --NAME-repo GIT_DIR)")
+        repo, target = history_target(args, "bisect")
         scenarios = select(argparse.Namespace(scenario_file=None, suite=args.suite, scenario=args.scenario))
         # the checkout is each commit's exported tree (bisect.check_commit), never one of the user's
         config = run_config(args, target=target, sources={}, environ={})

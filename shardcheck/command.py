@@ -159,6 +159,43 @@ def search_options(p: argparse.ArgumentParser, *, tp: str, cp: str) -> None:
                    help="scenarios run while shrinking a failure, at most (default: 300)")
 
 
+def history_options(p: argparse.ArgumentParser) -> None:
+    """What a command over a framework's history (bisect, sweep) takes: the target and its clone
+    (``--src-repo``, or ``--NAME-repo`` naming the target too) and the target's options."""
+    from shardcheck.targets.source import source_names
+
+    p.add_argument("--target", default=None,
+                   help="a target that takes a source checkout, NAME or NAME:VARIANT, e.g. slime:policy_loss "
+                        "(default: NAME of the --NAME-repo given)")
+    repos = p.add_mutually_exclusive_group(required=True)
+    repos.add_argument("--src-repo", dest="src_repo", metavar="GIT_DIR",
+                       help="the target's git repository, a clone with its history (only read)")
+    for name in source_names():
+        repos.add_argument(f"--{name.replace('_', '-')}-repo", dest=f"repo_{name}", metavar="GIT_DIR",
+                           help=f"--src-repo GIT_DIR, the target {name} unless --target says otherwise")
+    p.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=key_value,
+                   help="an option for the target (repeatable)")
+
+
+def history_target(args: argparse.Namespace, command: str) -> tuple[str, str]:
+    """(the clone, the target) :func:`history_options` gave; BadInput where they disagree or the
+    target is not named."""
+    from shardcheck.targets.source import source_names
+
+    repo, target = args.src_repo, args.target
+    for name in source_names():
+        if getattr(args, f"repo_{name}", None):
+            repo = getattr(args, f"repo_{name}")
+            if target is None:
+                target = name
+            elif target.partition(":")[0] != name:
+                raise BadInput(f"--{name.replace('_', '-')}-repo names a {name} repository, but --target is "
+                               f"{target!r}")
+    if target is None:
+        raise BadInput(f"{command} --src-repo needs --target NAME (or give --NAME-repo GIT_DIR)")
+    return repo, target
+
+
 def scenario_options(p: argparse.ArgumentParser) -> None:
     """What to check (run, invariance): a suite or a scenario file, maybe narrowed by name."""
     p.add_argument("--suite", default=None, help="a named suite (default: smoke, unless --scenario-file)")

@@ -11,11 +11,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from shardcheck.command import (EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, Command, Plan, key_value, register,
-                                run_config, select, world_options)
+from shardcheck.command import (EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, Command, Plan, history_options,
+                                history_target, register, run_config, select, world_options)
 from shardcheck.errors import BadInput
 from shardcheck.run_options import in_effect
-from shardcheck.targets.source import source_names
 
 
 def _jobs(text: str) -> int:
@@ -34,17 +33,7 @@ class Sweep(Command):
     help = "check every commit of a target's source that touches the files it reaches: when each failure came and went"
 
     def add_options(self, b: argparse.ArgumentParser) -> None:
-        b.add_argument("--target", default=None,
-                       help="a target that takes a source checkout, NAME or NAME:VARIANT (default: NAME of the "
-                            "--NAME-repo given)")
-        repos = b.add_mutually_exclusive_group(required=True)
-        repos.add_argument("--src-repo", dest="src_repo", metavar="GIT_DIR",
-                           help="the target's git repository, a clone with its history (only read)")
-        for name in source_names():
-            repos.add_argument(f"--{name.replace('_', '-')}-repo", dest=f"repo_{name}", metavar="GIT_DIR",
-                               help=f"--src-repo GIT_DIR, the target {name} unless --target says otherwise")
-        b.add_argument("--target-opt", action="append", default=[], metavar="KEY=VALUE", type=key_value,
-                       help="an option for the target (repeatable)")
+        history_options(b)
         b.add_argument("--since", metavar="DATE", help="only commits since DATE (git's --since: 2025-06-01)")
         b.add_argument("--range", dest="revisions", metavar="A..B",
                        help="only the commits of A..B, or up to B (default: every commit up to HEAD); with --since, "
@@ -68,17 +57,7 @@ class Sweep(Command):
         world_options(b, timeout_only=True)
 
     def plan(self, args: argparse.Namespace) -> Plan:
-        repo, target = args.src_repo, args.target
-        for name in source_names():
-            if getattr(args, f"repo_{name}", None):
-                repo = getattr(args, f"repo_{name}")
-                if target is None:
-                    target = name
-                elif target.partition(":")[0] != name:
-                    raise BadInput(f"--{name.replace('_', '-')}-repo names a {name} repository, but --target is "
-                                   f"{target!r}")
-        if target is None:
-            raise BadInput("sweep --src-repo needs --target NAME (or give --NAME-repo GIT_DIR)")
+        repo, target = history_target(args, "sweep")
         from shardcheck.harness.controller.commands.sweep import check_repository, default_cache_dir
 
         check_repository(repo)

@@ -58,14 +58,20 @@ def _commit(repo, message, loss_text):
     return subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
 
 
-@pytest.fixture
-def history(tmp_path):
-    repo = tmp_path / "fake-slime"
+def fake_slime_repo(root: Path) -> Path:
+    """An empty git repository holding slime's package folders (test_sweep builds its history too)."""
+    repo = root / "fake-slime"
     repo.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     for pkg in ("slime", "slime/backends", "slime/backends/megatron_utils"):
         (repo / pkg).mkdir(parents=True, exist_ok=True)
         (repo / pkg / "__init__.py").write_text("")
+    return repo
+
+
+@pytest.fixture
+def history(tmp_path):
+    repo = fake_slime_repo(tmp_path)
     good = LOSS.format(bug="0.0")
     commits = {
         "c1": _commit(repo, "c1 correct", good),

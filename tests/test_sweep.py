@@ -20,7 +20,7 @@ import pytest
 from shardcheck.harness.controller.commands import sweep as engine
 from shardcheck.harness.controller.reports.sweep_timeline import (CANNOT_RUN, FAIL, PASS, SKIP, Cell, Commit,
                                                                   SweepResult, message_key, timeline)
-from test_bisect import LOSS, _commit
+from test_bisect import LOSS, _commit, fake_slime_repo
 
 SCENARIO = ["--suite", "smoke", "--scenario", "thd-tp1cp1-basic"]
 
@@ -78,12 +78,7 @@ def test_the_signature_keeps_what_went_wrong_and_drops_what_varies_by_rank_and_r
 def make_history(root: Path) -> tuple[Path, dict[str, str]]:
     """c1 correct, c2 does not import, c3 correct, c4 plants a bug (tagged v1), c5 touches only a
     README, c6 fixes the bug (tagged v2)."""
-    repo = root / "fake-slime"
-    repo.mkdir()
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    for pkg in ("slime", "slime/backends", "slime/backends/megatron_utils"):
-        (repo / pkg).mkdir(parents=True, exist_ok=True)
-        (repo / pkg / "__init__.py").write_text("")
+    repo = fake_slime_repo(root)
     good = LOSS.format(bug="0.0")
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
     c = {"c1": _commit(repo, "c1 correct", good), "c2": _commit(repo, "c2 does not import", good + "\ndef broken(:\n"),
