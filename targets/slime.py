@@ -53,7 +53,9 @@ LOSS_FILE = Path("slime/backends/megatron_utils/loss.py")
 # where train_one_step's aggregation of the logged metrics lives, since slime took it out of the loop
 METRICS_FILE = Path("slime/observability/train_metric_utils.py")
 STUBBABLE = ("httpx", "ray", "sglang", "wandb", "tensorboard", "transformers", "datasets", "deep_ep",
-             "torch_memory_saver", "yaml", "sglang_router", "pydantic", "pandas", "megatron", "tqdm", "triton")
+             "torch_memory_saver", "yaml", "sglang_router", "pydantic", "pandas", "megatron", "tqdm", "triton",
+             # a CUDA allocator actor.py and model.py imported in late 2025 (not on the log-prob path)
+             "cumem_allocator")
 
 
 # slime's megatron_utils/__init__.py sets up its accelerator, as in every slime run: package inits run
