@@ -66,7 +66,7 @@ def interval_line(iv: Interval, releases: list[str]) -> str:
         end = f"{verb} {iv.first_good.short} ({_when(iv.first_good)}) \"{iv.first_good.subject[:70]}\""
     unknown = f"; {len(iv.unknown)} commit(s) inside could not say" if iv.unknown else ""
     carried = f"; releases: {', '.join(releases)}" if releases else ""
-    return f"  {iv.signature.label()}\n      from {start}, {end}{unknown}{carried}"
+    return f"  {iv.signature.label()}: from {start}, {end}{unknown}{carried}"
 
 
 def terminal(result: SweepResult, intervals: list[Interval], releases: dict[int, list[str]]) -> str:
@@ -155,7 +155,7 @@ def page(result: SweepResult, intervals: list[Interval], releases: dict[int, lis
         out.append("</tr>")
     out.append("</table><h2>Intervals</h2><ul>")
     for iv in intervals:
-        out.append(f"<li><pre>{e(interval_line(iv, releases.get(id(iv), [])))}</pre></li>")
+        out.append(f"<li>{e(interval_line(iv, releases.get(id(iv), [])).strip())}</li>")
     out.append("</ul><h2>Cells</h2>")
     seen = set()
     for anchor, c, name, cell in details:
