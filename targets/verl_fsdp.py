@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import inspect
 import dataclasses
 import sys
 import types
@@ -175,6 +176,15 @@ def engine_methods(src: Path) -> tuple[ast.Module, dict[str, ast.FunctionDef]] |
         if fn is not None:
             found[method] = fn
     return tree, found
+
+
+def left_right_padding_era(src: Path) -> bool:
+    """Whether ``no_padding_2_padding`` takes the left-right padded batch's ``indices`` (verl's
+    engine before 455e44c6f, #5041): its micro-batch is laid out otherwise than the adapter's."""
+    tree = FRAMEWORK.parse(src, PADDING_FILE)
+    fn = next((n for n in (tree.body if tree else []) if isinstance(n, ast.FunctionDef)
+               and n.name == "no_padding_2_padding"), None)
+    return fn is not None and any(isinstance(n, ast.Constant) and n.value == "indices" for n in ast.walk(fn))
 
 
 def builds_ulysses_group(methods: dict[str, ast.FunctionDef]) -> bool:
@@ -313,6 +323,10 @@ class VerlFSDPTarget(CheckoutTarget):
             raise BadInput(f"verl at {self.short()} has no FSDP engine to check: {ENGINE_FILE} with "
                            f"{', '.join(f'{c}.{m}' for c, m in METHODS)}")
         self._tree, self._methods = found
+        if left_right_padding_era(self.src):
+            raise BadInput(f"verl at {self.short()}: no_padding_2_padding reads the left-right padded batch's "
+                           "indices, max_seq_len and max_response_len (until 455e44c6f): an era this adapter does "
+                           "not model")
         self.layout_option = layout_option(options, "target 'verl:fsdp': ")
         self.fused = (options or TargetConfig()).get("fused_kernels", "off")
         if self.fused not in ("off", "torch"):
@@ -567,13 +581,20 @@ class VerlFSDPTarget(CheckoutTarget):
                     output = engine.module(**model_inputs, use_cache=False)
                 else:
                     output = types.SimpleNamespace(logits=logits)
+                # as forward_step calls it: logits_processor_func only where the commit takes it
+                # (not before 2026; verl passes None there in its log-prob path)
+                extra = ({"logits_processor_func": None} if "logits_processor_func" in
+                         inspect.signature(engine.prepare_model_outputs).parameters else {})
                 model_output = engine.prepare_model_outputs(output=output, output_args=output_args,
-                                                            micro_batch=micro_batch, logits_processor_func=None)
+                                                            micro_batch=micro_batch, **extra)
         finally:
             ulysses.set_ulysses_sequence_parallel_group(previous)
         prompts = [n - r for n, r in zip(lengths, responses)]
+        # what verl's micro-batch carries for no_padding_2_padding: the prompts, the responses and
+        # (read by some commits, e.g. 455e44c6f, even when nested) the attention mask
         data = _MicroBatch(len(tokens), prompts=nested([t[:p] for t, p in zip(tokens, prompts)]),
-                           responses=nested([t[p:] for t, p in zip(tokens, prompts)]))
+                           responses=nested([t[p:] for t, p in zip(tokens, prompts)]),
+                           attention_mask=nested([torch.ones(n, dtype=torch.int64, device=device) for n in lengths]))
         out: dict[str, list[Any]] = {}
         for key in ("log_probs", "entropy"):
             if key in model_output:
