@@ -758,6 +758,18 @@ class NemoRLTarget(CheckoutTarget):
         out = out[:, :width - 1]  # as the caller slices off CP padding
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
+    def _next_token(self, mod: Any, ids: Any, logits: Any, sampling: Any, chunk: int | None) -> Any:
+        """get_next_token_logprobs_from_logits called as the worker's prepare_loss_input calls it at
+        this commit: sampling_params and chunk_size only where the function takes them (before
+        f67e9e61d, #2872, neither existed there; sweep found the adapter passing them)."""
+        fn = getattr(mod, NEXT_TOKEN)
+        params = inspect.signature(fn).parameters
+        if sampling is not None and "sampling_params" not in params:
+            raise BadInput(f"NeMo-RL at {self.short()}: {NEXT_TOKEN} takes no sampling_params (no top-k / top-p "
+                           "on this path at this commit)")
+        kwargs = {k: v for k, v in (("sampling_params", sampling), ("chunk_size", chunk)) if k in params}
+        return fn(ids, logits, **kwargs)
+
     def _dtensor(self, mod: Any, logits: Any, inputs: RankInputs, chunk: int | None, sampling: Any,
                  worker_mesh: dict[str, Any] | None = None) -> list[Any]:
         """NeMo-RL's DTensor worker's call at cp 1, input_ids [B, S] right-padded; out[:, p]
@@ -773,7 +785,7 @@ class NemoRLTarget(CheckoutTarget):
         ids = _right_padded(inputs, width, logits.device)
         if self.dtensor_call == "train" and inputs.tp_size == 1:
             with _cuda_stand_in(logits.device):  # that branch's input_ids[:, 1:].cuda()
-                out = getattr(mod, NEXT_TOKEN)(ids, logits, sampling_params=sampling, chunk_size=chunk)
+                out = self._next_token(mod, ids, logits, sampling, chunk)
             return [out[r // width, r % width] for r in inputs.scored_rows()]
         if worker_mesh is not None and "tp_mesh" in worker_mesh:
             from torch.distributed.tensor import DTensor, Shard
@@ -793,7 +805,7 @@ class NemoRLTarget(CheckoutTarget):
                 sharded = sharded.to(torch.float32)
             out = fn(sharded, ids, **kwargs)
         else:
-            out = getattr(mod, NEXT_TOKEN)(ids, sharded, sampling_params=sampling, chunk_size=chunk)
+            out = self._next_token(mod, ids, sharded, sampling, chunk)
         return [out[r // width, r % width] for r in inputs.scored_rows()]
 
     def _per_sequence(self, mod: Any, logits: Any, inputs: RankInputs, start: int, end: int,
