@@ -58,7 +58,8 @@ class Sweep(Command):
 
     def plan(self, args: argparse.Namespace) -> Plan:
         repo, target = history_target(args, "sweep")
-        from shardcheck.harness.controller.commands.sweep import check_repository, default_cache_dir
+        from shardcheck.harness.controller.commands.sweep import check_repository
+        from shardcheck.harness.controller.commands.sweep_cache import default_cache_dir
 
         check_repository(repo)
         if args.suite is None and args.scenario_file is None:
@@ -80,6 +81,7 @@ class Sweep(Command):
 
     def execute(self, plan: Plan) -> int:
         from shardcheck.harness.controller.commands import sweep as engine
+        from shardcheck.harness.controller.commands.sweep_cache import SweepCache, cache_configuration
         from shardcheck.harness.controller.reports import sweep_report
         from shardcheck.harness.controller.reports.sweep_timeline import timeline
 
@@ -88,8 +90,9 @@ class Sweep(Command):
         scenarios = list(plan.scenarios)
         with in_effect(config), tempfile.TemporaryDirectory(prefix="shardcheck-sweep-") as scratch:
             files = s.files or engine.reached_files(s.repo, config, s.revisions, Path(scratch))
-            commits = engine.select_commits(s.repo, files, since=s.since, revisions=s.revisions)
-            cache = engine.SweepCache(s.cache, engine.cache_configuration(config))
+            tags = engine.tags_by_commit(s.repo)  # read once: the commits' marks and the releases
+            commits = engine.select_commits(s.repo, files, since=s.since, revisions=s.revisions, tags=tags)
+            cache = SweepCache(s.cache, cache_configuration(config))
             print(f"shardcheck sweep: {config.target}: {len(commits)} commits touch {len(files)} files "
                   f"({', '.join(files[:3])}{', ...' if len(files) > 3 else ''}); cache {cache.dir}",
                   file=sys.stderr, flush=True)
@@ -108,20 +111,17 @@ class Sweep(Command):
             result = engine.run_sweep(Path(s.repo), commits, scenarios, config, cache, Path(scratch),
                                       jobs=s.jobs, timeout=s.timeout, progress=progress)
         intervals = timeline(result)
-        releases: dict[int, list[str]] = {}
         if s.tags is not None:
-            tags = {sha: [t for t in names if fnmatch.fnmatchcase(t, s.tags)]
-                    for sha, names in engine.tags_by_commit(s.repo).items()}
-            tags = {sha: names for sha, names in tags.items() if names}
-            releases = {id(iv): engine.releases_carrying(s.repo, iv, tags) for iv in intervals}
+            releases = {sha: [t for t in names if fnmatch.fnmatchcase(t, s.tags)] for sha, names in tags.items()}
+            engine.mark_releases(s.repo, intervals, {sha: names for sha, names in releases.items() if names})
         context = sweep_report.SweepContext(config.target, tuple(f"{k}={v}" for k, v in config.target_options),
                                             str(s.repo), s.suite, s.scenario_file)
         # the files first: a terminal that goes away (a pipe closed) must not lose them
         if s.json:
-            Path(s.json).write_text(sweep_report.dumps(sweep_report.document(result, intervals, releases, context)))
+            Path(s.json).write_text(sweep_report.dumps(sweep_report.document(result, intervals, context)))
         if s.html:
-            Path(s.html).write_text(sweep_report.page(result, intervals, releases, context))
-        print(sweep_report.terminal(result, intervals, releases), flush=True)
+            Path(s.html).write_text(sweep_report.page(result, intervals, context))
+        print(sweep_report.terminal(result, intervals), flush=True)
         if result.interrupted:
             return EXIT_INTERRUPTED
         return EXIT_FAIL if any(iv.open for iv in intervals) else EXIT_OK

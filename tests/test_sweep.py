@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from shardcheck.harness.controller.commands import commit_check, sweep_cache
 from shardcheck.harness.controller.commands import sweep as engine
 from shardcheck.harness.controller.reports.sweep_timeline import (CANNOT_RUN, FAIL, PASS, SKIP, Cell, Commit,
                                                                   SweepResult, message_key, timeline)
@@ -229,16 +230,16 @@ def test_bad_input_is_one_line_and_exit_2(history, tmp_path, args, says, cli_in_
 
 def test_a_commit_that_cannot_be_exported_is_shown_as_cannot_run_and_not_cached(history, tmp_path):
     repo, _ = history
-    check = engine.CommitCheck(repo, [], None, None, tmp_path)
+    check = commit_check.CommitCheck(repo, [], None, None, tmp_path)
     cells = check("0" * 40, ["x"])
     assert cells == {} or all(cell.state == CANNOT_RUN for cell in cells.values())
     from shardcheck.scenarios import get_suite
 
     sc = next(s for s in get_suite("smoke") if s.name == "thd-tp1cp1-basic")
-    check = engine.CommitCheck(repo, [sc], None, None, tmp_path)
+    check = commit_check.CommitCheck(repo, [sc], None, None, tmp_path)
     (cell,) = check("0" * 40, [sc.name]).values()
-    assert cell.state == CANNOT_RUN and cell.why.startswith(engine.EXPORT_FAILED)
-    cache = engine.SweepCache(tmp_path / "cache", {"k": 1})
+    assert cell.state == CANNOT_RUN and cell.why.startswith(commit_check.EXPORT_FAILED)
+    cache = sweep_cache.SweepCache(tmp_path / "cache", {"k": 1})
     result = engine.sweep([Commit("0" * 40, "2025-01-01", "gone")], [sc], cache, check)
     assert result.cells["0" * 40][sc.name].state == CANNOT_RUN and cache.load("0" * 40) == {}
 
@@ -252,14 +253,14 @@ def test_the_cache_key_follows_the_code_a_cell_depends_on_and_not_how_it_is_show
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     roots = [tmp_path / "targets", tmp_path / "harness"]
-    base = engine.code_digest(roots)
+    base = sweep_cache.code_digest(roots)
     for rel, same in (("harness/controller/reports/sweep_report.py", True),
                       ("harness/controller/commands/sweep.py", True), ("targets/builtin.py", False),
                       ("harness/rank/main.py", False)):
         (tmp_path / rel).write_text(files[rel] + "# changed\n")
-        assert (engine.code_digest(roots) == base) is same, rel
+        assert (sweep_cache.code_digest(roots) == base) is same, rel
         (tmp_path / rel).write_text(files[rel])
-    assert engine.code_digest(roots) == base
+    assert sweep_cache.code_digest(roots) == base
 
 
 def test_an_adapter_failing_before_any_rank_runs_is_cannot_run_and_the_sweep_goes_on(history, tmp_path, monkeypatch):
@@ -275,8 +276,8 @@ def test_an_adapter_failing_before_any_rank_runs_is_cannot_run_and_the_sweep_goe
         raise TypeError("build_dp_schedule() missing 1 required keyword-only argument: 'group_indices'")
 
     monkeypatch.setattr(runner, "run", planning_fails)
-    check = engine.CommitCheck(repo, [sc], type("C", (), {"target": "slime", "with_source": lambda self, s: self})(),
+    check = commit_check.CommitCheck(repo, [sc], type("C", (), {"target": "slime", "with_source": lambda self, s: self})(),
                                world=object(), scratch=tmp_path)
-    result = engine.sweep([Commit(c["c1"], "2025-01-01", "c1")], [sc], engine.SweepCache(tmp_path / "k", {}), check)
+    result = engine.sweep([Commit(c["c1"], "2025-01-01", "c1")], [sc], sweep_cache.SweepCache(tmp_path / "k", {}), check)
     cell = result.cells[c["c1"]][sc.name]
     assert cell.state == CANNOT_RUN and "adapter failed before any rank ran" in cell.why and "group_indices" in cell.why

@@ -5,8 +5,8 @@ The data path: the repository's history (``git log --first-parent`` over the rea
 each commit exported with ``git archive`` into a scratch folder (the user's clone and its ``.git``
 are only read) -> the suite run there on a world kept for the whole sweep (a checkout target
 unloads its framework's modules between runs: ``Checkout.release``) -> one :class:`Cell` per
-(commit, scenario) -> the cache (:class:`SweepCache`) -> :func:`timeline`'s intervals ->
-:mod:`shardcheck.harness.controller.reports.timeline`.
+(commit, scenario) -> the cache (:mod:`.sweep_cache`) -> the intervals
+(:mod:`shardcheck.harness.controller.reports.sweep_timeline`) -> their reports (:mod:`.sweep_report`).
 
 A cell is cached per (commit, scenario, shardcheck's code, target and options, backend): a second
 sweep runs only the cells it does not hold, and an interrupted one resumes where it stopped.
@@ -15,21 +15,16 @@ sweep runs only the cells it does not hold, and an interrupted one resumes where
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from shardcheck.errors import BadInput
-from shardcheck.harness.controller.commands.commit_check import (EXPORT_FAILED, GIT_TIMEOUT_S, CommitCheck, Lazy,
-                                                                 export, scenario_key)
-from shardcheck.harness.controller.reports.sweep_timeline import CANNOT_RUN, Cell, Commit, Interval, SweepResult
+from shardcheck.harness.controller.commands.commit_check import GIT_TIMEOUT_S, CommitCheck, Lazy, export, scenario_key
+from shardcheck.harness.controller.commands.sweep_cache import SweepCache
+from shardcheck.harness.controller.reports.sweep_timeline import Cell, Commit, Interval, SweepResult
 from shardcheck.scenarios.scenario import Scenario
-
 
 
 # -- the history ----------------------------------------------------------------------------------
@@ -59,9 +54,10 @@ def check_repository(repo: str | Path) -> Path:
 
 
 def select_commits(repo: str | Path, files: Sequence[str], *, since: str | None = None,
-                   revisions: str | None = None) -> list[Commit]:
+                   revisions: str | None = None, tags: dict[str, list[str]] | None = None) -> list[Commit]:
     """The first-parent commits (oldest first) of ``revisions`` (``A..B``, default HEAD) since
-    ``since`` that touch any of ``files``; BadInput where there is none."""
+    ``since`` that touch any of ``files``, each with its ``tags`` (default: the repository's);
+    BadInput where there is none."""
     if not files:
         raise BadInput("the target names no files it reaches: nothing to select commits by")
     rng = revisions or "HEAD"
@@ -74,7 +70,7 @@ def select_commits(repo: str | Path, files: Sequence[str], *, since: str | None 
     if since:
         args.append(f"--since={since}")
     out = git(repo, *args, rng, "--", *files, what="git log")
-    tags = tags_by_commit(repo)
+    tags = tags_by_commit(repo) if tags is None else tags
     commits = []
     for line in out.splitlines():
         sha, date, subject = line.split("\x1f", 2)
@@ -103,84 +99,6 @@ def tags_by_commit(repo: str | Path) -> dict[str, list[str]]:
     return tags
 
 
-# -- the cache ------------------------------------------------------------------------------------
-def default_cache_dir() -> Path:
-    """The platform's cache directory for shardcheck's sweeps."""
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    elif os.name == "nt":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "shardcheck" / "sweep"
-
-
-# modules whose changes cannot change a cell: how results are shown and how a command line or a
-# sweep is read (a report's wording, a sweep's own bookkeeping); everything else a cell may depend on
-_NOT_IN_CELLS = frozenset({
-    *(f"controller/reports/{m}.py" for m in ("run_report", "html_report", "fuzz_report", "invariance_report",
-                                             "reach_report", "report_file", "sweep_report", "sweep_timeline")),
-    *(f"controller/commands/{m}.py" for m in ("sweep", "sweep_workers", "commit_check")),
-    "cli.py", "command.py", "check_commands.py", "info_commands.py", "sweep_command.py"})
-
-
-def code_digest(roots: Sequence[Path] | None = None) -> str:
-    """shardcheck's version and a digest of its own Python sources that a cell depends on (the
-    targets, the rank side, the scenarios, the reference, the verdicts): a cell computed by other
-    code (an adapter fixed since) is not reused; a change to how results are shown keeps them.
-    ``roots``: the package folders (default: shardcheck's and those mapped into it)."""
-    import shardcheck
-
-    if roots is None:
-        from shardcheck import harness, reference, scenarios, targets
-
-        roots = [Path(shardcheck.__file__).parent, *(Path(p) for m in (harness, reference, scenarios, targets)
-                                                      for p in m.__path__)]
-    h = hashlib.sha256(shardcheck.__version__.encode())
-    for root in roots:
-        for path in sorted(root.rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
-            if rel in _NOT_IN_CELLS:
-                continue
-            h.update(rel.encode())
-            h.update(path.read_bytes())
-    return f"{shardcheck.__version__}+{h.hexdigest()[:12]}"
-
-
-class SweepCache:
-    """Cells on disk: ``<root>/<configuration key>/<commit>.json``, one file per commit holding its
-    cells by scenario key, rewritten whole (write then rename) after every commit checked."""
-
-    def __init__(self, root: Path, configuration: dict[str, Any]) -> None:
-        key = hashlib.sha256(json.dumps(configuration, sort_keys=True).encode()).hexdigest()[:16]
-        self.dir = Path(root) / key
-        self.configuration = configuration
-
-    def _path(self, sha: str) -> Path:
-        return self.dir / f"{sha}.json"
-
-    def load(self, sha: str) -> dict[str, Cell]:
-        try:
-            data = json.loads(self._path(sha).read_text())
-        except (OSError, ValueError):
-            return {}
-        return {k: Cell.from_dict(v) for k, v in data.get("cells", {}).items()}
-
-    def store(self, sha: str, cells: dict[str, Cell]) -> None:
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            about = self.dir / "configuration.json"
-            if not about.exists():
-                about.write_text(json.dumps(self.configuration, indent=1, sort_keys=True) + "\n")
-            merged = self.load(sha) | cells
-            tmp = self._path(sha).with_suffix(".tmp")
-            tmp.write_text(json.dumps({"commit": sha, "cells": {k: c.to_dict() for k, c in merged.items()}},
-                                      sort_keys=True))
-            os.replace(tmp, self._path(sha))
-        except OSError as exc:
-            raise BadInput(f"--cache {str(self.dir.parent)!r} cannot be written: {exc.strerror or exc}") from None
-
-
 def sweep(commits: Sequence[Commit], scenarios: Sequence[Scenario], cache: SweepCache,
           check: Callable[[str, Sequence[str]], dict[str, Cell]],
           progress: Callable[[int, Commit, dict[str, Cell], int], None] = lambda i, c, cells, ran: None
@@ -191,16 +109,9 @@ def sweep(commits: Sequence[Commit], scenarios: Sequence[Scenario], cache: Sweep
     result = SweepResult(list(commits), [sc.name for sc in scenarios], {})
     try:
         for i, commit in enumerate(commits):
-            held = cache.load(commit.sha)
-            cells = {name: held[key] for name, key in keys.items() if key in held}
-            todo = [name for name in keys if name not in cells]
+            cells, todo = cache.held(commit.sha, keys)
             if todo:
-                fresh = check(commit.sha, todo)
-                fresh |= {n: Cell(CANNOT_RUN, why="no verdict came back") for n in todo if n not in fresh}
-                # an export that failed may not fail next time: only what the commit itself decides is kept
-                cache.store(commit.sha, {keys[n]: c for n, c in fresh.items()
-                                         if n in keys and not c.why.startswith(EXPORT_FAILED)})
-                cells |= {n: fresh[n] for n in todo}
+                cells |= cache.keep(commit.sha, keys, check(commit.sha, todo), todo)
                 result.ran += len(todo)
             result.cells[commit.sha] = cells
             progress(i, commit, cells, len(todo))
@@ -210,22 +121,17 @@ def sweep(commits: Sequence[Commit], scenarios: Sequence[Scenario], cache: Sweep
     return result
 
 
-def is_ancestor(repo: str | Path, older: str, newer: str) -> bool:
-    return subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", older, newer],
-                          capture_output=True, timeout=GIT_TIMEOUT_S).returncode == 0
-
-
-def releases_carrying(repo: str | Path, interval: Interval, tags: dict[str, list[str]]) -> list[str]:
-    """The tags (``tags``: commit -> names) whose commit holds the interval's bug: its first bad
-    commit is an ancestor, its first good commit (if any) is not."""
-    out = []
+def mark_releases(repo: str | Path, intervals: Sequence[Interval], tags: dict[str, list[str]]) -> None:
+    """Each interval's ``releases``: the tags (``tags``: commit -> names) whose commit holds its bug,
+    its first bad commit an ancestor and its first good commit (if any) not. One ``git rev-list``
+    a tag, not a query a tag and interval."""
     for sha, names in tags.items():
-        if is_ancestor(repo, interval.first_bad.sha, sha) and not (
-                interval.first_good is not None and is_ancestor(repo, interval.first_good.sha, sha)):
-            out.extend(names)
-    return sorted(out)
-
-
+        ancestors = set(git(repo, "rev-list", sha, what=f"git rev-list {sha[:10]}").split())
+        for iv in intervals:
+            if iv.first_bad.sha in ancestors and (iv.first_good is None or iv.first_good.sha not in ancestors):
+                iv.releases.extend(names)
+    for iv in intervals:
+        iv.releases.sort()
 
 
 # -- the sweep as the command runs it --------------------------------------------------------------
@@ -248,14 +154,6 @@ def reached_files(repo: str | Path, config: Any, revisions: str | None, scratch:
     if not files:
         raise BadInput(f"target {config.target!r} names no framework files at {sha[:10]}: give --file PATH")
     return files
-
-
-def cache_configuration(config: Any) -> dict[str, Any]:
-    """What, besides the commit and the scenario, a cell depends on: shardcheck's code, the target
-    and its options, the backend and the checks switched on."""
-    return {"shardcheck": code_digest(), "target": config.target,
-            "target_options": sorted(f"{k}={v}" for k, v in config.target_options), "backend": config.backend,
-            "checks": {"lockstep": config.lockstep, "inplace": config.inplace, "mask_leak": config.mask_leak}}
 
 
 def run_sweep(repo: Path, commits: Sequence[Commit], scenarios: Sequence[Scenario], config: Any,

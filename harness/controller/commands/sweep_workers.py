@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardcheck.harness.controller.commands.commit_check import EXPORT_FAILED, CommitCheck, Lazy, scenario_key
+from shardcheck.harness.controller.commands.commit_check import CommitCheck, Lazy, scenario_key
 from shardcheck.harness.controller.reports.sweep_timeline import CANNOT_RUN, Cell, Commit, SweepResult
 from shardcheck.scenarios.scenario import Scenario
 
@@ -36,9 +36,7 @@ def parallel_sweep(repo: Path, commits: Sequence[Commit], scenarios: Sequence[Sc
     order = {c.sha: i for i, c in enumerate(commits)}
     todo: list[tuple[Commit, dict[str, Cell], list[str]]] = []
     for commit in commits:  # what the cache holds first, in order
-        held = cache.load(commit.sha)
-        cells = {name: held[key] for name, key in keys.items() if key in held}
-        names = [n for n in keys if n not in cells]
+        cells, names = cache.held(commit.sha, keys)
         if names:
             todo.append((commit, cells, names))
         else:
@@ -70,10 +68,7 @@ def parallel_sweep(repo: Path, commits: Sequence[Commit], scenarios: Sequence[Sc
                     workers[worker_id] = w = _Worker(worker_id, setup, answers)
                     w.send(*_job(waiting.pop(0)))
                 continue
-            fresh = {n: Cell.from_dict(d) for n, d in fresh.items()}
-            fresh |= {n: Cell(CANNOT_RUN, why="no verdict came back") for n in names if n not in fresh}
-            cache.store(sha, {keys[n]: c for n, c in fresh.items() if n in keys and not c.why.startswith(EXPORT_FAILED)})
-            result.cells[sha] = cells | {n: fresh[n] for n in names}
+            result.cells[sha] = cells | cache.keep(sha, keys, {n: Cell.from_dict(d) for n, d in fresh.items()}, names)
             result.ran += len(names)
             progress(order[sha], commit, result.cells[sha], len(names))
             if waiting:

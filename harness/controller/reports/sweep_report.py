@@ -52,7 +52,7 @@ def _when(commit: Commit) -> str:
     return commit.date[:10]
 
 
-def interval_line(iv: Interval, releases: list[str]) -> str:
+def interval_line(iv: Interval) -> str:
     start = f"{iv.first_bad.short} ({_when(iv.first_bad)})" + (" or earlier" if iv.before_unknown else "")
     state = iv.state
     if state == "open":
@@ -65,11 +65,11 @@ def interval_line(iv: Interval, releases: list[str]) -> str:
         verb = "fixed at" if state == "fixed" else "gives way to another failure at"
         end = f"{verb} {iv.first_good.short} ({_when(iv.first_good)}) \"{iv.first_good.subject[:70]}\""
     unknown = f"; {len(iv.unknown)} commit(s) inside could not say" if iv.unknown else ""
-    carried = f"; releases: {', '.join(releases)}" if releases else ""
+    carried = f"; releases: {', '.join(iv.releases)}" if iv.releases else ""
     return f"  {iv.signature.label()}: from {start}, {end}{unknown}{carried}"
 
 
-def terminal(result: SweepResult, intervals: list[Interval], releases: dict[int, list[str]]) -> str:
+def terminal(result: SweepResult, intervals: list[Interval]) -> str:
     lines = []
     cannot = [c for c in result.commits
               if result.cells.get(c.sha) and all(cell.state == CANNOT_RUN for cell in result.cells[c.sha].values())]
@@ -85,7 +85,7 @@ def terminal(result: SweepResult, intervals: list[Interval], releases: dict[int,
     for state, group in groups.items():
         if group:
             lines.append(titles[state])
-            lines.extend(interval_line(iv, releases.get(id(iv), [])) for iv in group)
+            lines.extend(interval_line(iv) for iv in group)
     if cannot:
         shown = ", ".join(f"{c.short}" for c in cannot[:8]) + (", ..." if len(cannot) > 8 else "")
         first = next(iter(result.cells[cannot[0].sha].values())).why
@@ -94,8 +94,7 @@ def terminal(result: SweepResult, intervals: list[Interval], releases: dict[int,
     return "\n".join(lines)
 
 
-def document(result: SweepResult, intervals: list[Interval], releases: dict[int, list[str]],
-             context: SweepContext) -> dict[str, Any]:
+def document(result: SweepResult, intervals: list[Interval], context: SweepContext) -> dict[str, Any]:
     """The JSON: every commit, every cell, every interval (with the releases carrying it)."""
     return {
         "kind": "shardcheck sweep",
@@ -105,7 +104,7 @@ def document(result: SweepResult, intervals: list[Interval], releases: dict[int,
         "scenarios": result.scenarios,
         "commits": [asdict(c) | {"cells": {n: cell.to_dict() for n, cell in result.cells.get(c.sha, {}).items()}}
                     for c in result.commits],
-        "intervals": [iv.to_dict() | {"releases": releases.get(id(iv), [])} for iv in intervals],
+        "intervals": [iv.to_dict() for iv in intervals],
     }
 
 
@@ -115,8 +114,7 @@ td.fail{background:#ef9a9a}td.skip{background:#eee}td.cannot{background:#ffe082}
 text-decoration:none;color:inherit}code{font-size:12px}.sig{max-width:40em}"""
 
 
-def page(result: SweepResult, intervals: list[Interval], releases: dict[int, list[str]],
-         context: SweepContext) -> str:
+def page(result: SweepResult, intervals: list[Interval], context: SweepContext) -> str:
     """Commits along the top, failure signatures (then the scenarios that never failed) down the
     side; each cell says pass / fail / skip / cannot run and links to its replay and repro lines."""
     e = html.escape
@@ -155,7 +153,7 @@ def page(result: SweepResult, intervals: list[Interval], releases: dict[int, lis
         out.append("</tr>")
     out.append("</table><h2>Intervals</h2><ul>")
     for iv in intervals:
-        out.append(f"<li>{e(interval_line(iv, releases.get(id(iv), [])).strip())}</li>")
+        out.append(f"<li>{e(interval_line(iv).strip())}</li>")
     out.append("</ul><h2>Cells</h2>")
     seen = set()
     for anchor, c, name, cell in details:

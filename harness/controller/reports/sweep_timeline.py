@@ -112,6 +112,7 @@ class Interval:
     before_unknown: bool = False  # the commit before first_bad could not say (the start is not exact)
     good_fails_otherwise: bool = False  # at first_good the scenario fails, with other signatures
     after: list[Commit] = field(default_factory=list)  # past last_bad, none of them able to say
+    releases: list[str] = field(default_factory=list)  # the release tags carrying it (sweep --tags)
 
     @property
     def state(self) -> str:
@@ -129,7 +130,8 @@ class Interval:
         return {"signature": asdict(self.signature), "state": self.state, "first_bad": asdict(self.first_bad),
                 "last_bad": asdict(self.last_bad), "first_good": asdict(self.first_good) if self.first_good else None,
                 "open": self.open, "unknown_inside": [c.sha for c in self.unknown],
-                "start_not_exact": self.before_unknown, "unknown_after": [c.sha for c in self.after]}
+                "start_not_exact": self.before_unknown, "unknown_after": [c.sha for c in self.after],
+                "releases": self.releases}
 
 
 def signatures_of(cell: Cell, scenario: str) -> set[Signature]:
