@@ -495,14 +495,16 @@ def test_a_deadline_missed_while_waiting_for_a_cpu_is_the_machines_and_a_wrong_v
     process a core beside the hog: as many busy processes as cores and one more)."""
     from plants import hog_cpu, machine_loaded
 
-    hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass"
-                            % hog_cpu()])
-    try:
-        with machine_loaded(per_core=1), SpawnedWorld(4, timeout=2) as world:
-            result, v = _one(world, "plants:StarvedOnRankOneCorruptValue", REPLICAS_TP2)
-    finally:
-        hog.kill()
-        hog.wait()
+    with SpawnedWorld(4, timeout=2) as world:
+        world.ensure_ready()  # started before the load: its start-up is not what is tested
+        hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass"
+                                % hog_cpu()])
+        try:
+            with machine_loaded(per_core=1):
+                result, v = _one(world, "plants:StarvedOnRankOneCorruptValue", REPLICAS_TP2)
+        finally:
+            hog.kill()
+            hog.wait()
     said = [(f.kind, f.ranks, f.message) for f in v.failures]
     assert v.status == "fail" and result.exit_code == 1, said
     by_kind = {f.kind: f for f in v.failures}

@@ -249,14 +249,16 @@ def test_a_simulation_starved_of_cpu_times_out_and_is_not_blamed_on_the_target(t
     from plants import hog_cpu, machine_loaded
 
     sc = Scenario("starved", (Sample(12, 4),), vocab=8, tp=2)
-    hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass"
-                            % hog_cpu()])
-    try:
-        with machine_loaded(per_core=1), FakeWorld([2], timeout=2, workers=1) as w:
-            result = runner.run([sc], "plants:StarvedEverywhere", reporter=SilentReport(), world=w)
-    finally:
-        hog.kill()
-        hog.wait()
+    with FakeWorld([2], timeout=2, workers=1) as w:
+        w.ensure_ready()  # started before the load: its start-up is not what is tested
+        hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass"
+                                % hog_cpu()])
+        try:
+            with machine_loaded(per_core=1):
+                result = runner.run([sc], "plants:StarvedEverywhere", reporter=SilentReport(), world=w)
+        finally:
+            hog.kill()
+            hog.wait()
     v = result.verdicts[0]
     assert v.status == "timeout" and result.exit_code == 3, [(f.kind, f.message) for f in v.failures]
     assert "simulated rank 0 gave no result within 2s" in v.failures[0].message
