@@ -76,6 +76,22 @@ def test_the_signature_keeps_what_went_wrong_and_drops_what_varies_by_rank_and_r
     assert message_key("entropy sample 1 token 3: got 1") != message_key("log_probs sample 1 token 3: got 1")
 
 
+def test_a_cell_is_the_same_whichever_rank_reports_first():
+    """Ranks raising different errors report in the order they finish (verl's engine on a sequence
+    shorter than the CP alignment: RuntimeError on ranks 2, 3 and IndexError on 0, 1); the cell
+    takes the lowest rank's, so the signature does not change from run to run."""
+    from shardcheck.harness.controller.reports.sweep_timeline import cells_of
+    from shardcheck.harness.controller.reports.verdict import Verdict
+    from shardcheck.harness.wire import Failure
+    from shardcheck.scenarios import Sample, Scenario
+
+    late = Failure("rank_error", "raised RuntimeError: The expanded size of the tensor (2) at util.py:336", [2, 3])
+    early = Failure("rank_error", "raised IndexError: index 2 is out of bounds at util.py:351", [0, 1])
+    sc = Scenario("short2", (Sample(2, 1),), vocab=8)
+    one, other = (cells_of([Verdict(sc, "fail", failures)])["short2"] for failures in ([late, early], [early, late]))
+    assert one == other == Cell(FAIL, (("rank_error", "", "raised IndexError"),))
+
+
 def make_history(root: Path) -> tuple[Path, dict[str, str]]:
     """c1 correct, c2 does not import, c3 correct, c4 plants a bug (tagged v1), c5 touches only a
     README, c6 fixes the bug (tagged v2)."""
@@ -248,7 +264,8 @@ def test_the_cache_key_follows_the_code_a_cell_depends_on_and_not_how_it_is_show
     """A changed adapter (targets/) gives another digest; a changed report or the sweep's own
     bookkeeping does not (their cells stay valid). On a copy of the layout, not the installed code."""
     files = {"targets/builtin.py": "x = 1\n", "harness/controller/reports/sweep_report.py": "y = 1\n",
-             "harness/controller/commands/sweep.py": "z = 1\n", "harness/rank/main.py": "w = 1\n"}
+             "harness/controller/commands/sweep.py": "z = 1\n", "harness/rank/main.py": "w = 1\n",
+             "harness/controller/reports/sweep_timeline.py": "v = 1\n"}
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
@@ -256,7 +273,8 @@ def test_the_cache_key_follows_the_code_a_cell_depends_on_and_not_how_it_is_show
     base = sweep_cache.code_digest(roots)
     for rel, same in (("harness/controller/reports/sweep_report.py", True),
                       ("harness/controller/commands/sweep.py", True), ("targets/builtin.py", False),
-                      ("harness/rank/main.py", False)):
+                      ("harness/rank/main.py", False),
+                      ("harness/controller/reports/sweep_timeline.py", False)):  # cells_of: a verdict's cell
         (tmp_path / rel).write_text(files[rel] + "# changed\n")
         assert (sweep_cache.code_digest(roots) == base) is same, rel
         (tmp_path / rel).write_text(files[rel])

@@ -30,9 +30,10 @@ def default_cache_dir() -> Path:
 
 # modules whose changes cannot change a cell: how results are shown and how a command line or a
 # sweep is read (a report's wording, a sweep's own bookkeeping); everything else a cell may depend on
+# (sweep_timeline is not here: its cells_of makes a verdict a cell, signature and all)
 _NOT_IN_CELLS = frozenset({
     *(f"controller/reports/{m}.py" for m in ("run_report", "html_report", "fuzz_report", "invariance_report",
-                                             "reach_report", "report_file", "sweep_report", "sweep_timeline")),
+                                             "reach_report", "report_file", "sweep_report")),
     *(f"controller/commands/{m}.py" for m in ("sweep", "sweep_workers", "sweep_cache", "commit_check")),
     "cli.py", "command.py", "check_commands.py", "info_commands.py", "sweep_command.py"})
 

@@ -68,10 +68,12 @@ def cells_of(verdicts: Sequence[Any]) -> dict[str, Cell]:
         elif v.status == "pass":
             out[v.scenario.name] = Cell(PASS)
         else:
-            # one signature per kind and phase: the first such failure's subject (the ranks' and the
-            # tokens' further messages of one finding say the same in other numbers and words)
+            # one signature per kind and phase: the subject of such a failure on the lowest rank (the
+            # ranks' and the tokens' further messages of one finding say the same in other numbers
+            # and words). By rank, not by arrival: ranks raising different errors report in the
+            # order they happen to finish, which would change the signature from run to run.
             first: dict[tuple[str, str], str] = {}
-            for f in v.failures:
+            for f in sorted(v.failures, key=lambda f: min(f.ranks, default=-1)):  # stable: ties keep their order
                 first.setdefault((f.kind, f.phase or ""), message_key(f.message))
             out[v.scenario.name] = Cell(FAIL, tuple(sorted((k, p, m) for (k, p), m in first.items())))
     return out
