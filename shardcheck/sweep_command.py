@@ -89,7 +89,8 @@ class Sweep(Command):
         assert config is not None and plan.scenarios is not None
         scenarios = list(plan.scenarios)
         with in_effect(config), tempfile.TemporaryDirectory(prefix="shardcheck-sweep-") as scratch:
-            files = s.files or engine.reached_files(s.repo, config, s.revisions, Path(scratch))
+            files = engine.with_earlier_names(s.repo, s.revisions,
+                                              s.files or engine.reached_files(s.repo, config, s.revisions, Path(scratch)))
             tags = engine.tags_by_commit(s.repo)  # read once: the commits' marks and the releases
             commits = engine.select_commits(s.repo, files, since=s.since, revisions=s.revisions, tags=tags)
             cache = SweepCache(s.cache, cache_configuration(config))

@@ -92,6 +92,27 @@ def test_a_cell_is_the_same_whichever_rank_reports_first():
     assert one == other == Cell(FAIL, (("rank_error", "", "raised IndexError"),))
 
 
+def test_a_file_moved_since_is_selected_by_its_commits_under_its_old_name_too(tmp_path):
+    """NeMo-RL moved dtensor_policy_worker.py into workers/: a log of the new path alone misses
+    every commit before the move (#714's fix among them)."""
+    repo = tmp_path / "moved"
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "worker.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "before the move"], check=True)
+    (repo / "workers").mkdir()
+    subprocess.run(git + ["mv", "worker.py", "workers/worker.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "the move"], check=True)
+    (repo / "workers" / "worker.py").write_text("x = 2\n")
+    subprocess.run(git + ["commit", "-qam", "after the move"], check=True)
+    files = engine.with_earlier_names(repo, None, ["workers/worker.py"])
+    assert files == ["worker.py", "workers/worker.py"]
+    subjects = lambda names: [c.subject for c in engine.select_commits(repo, names, tags={})]  # noqa: E731
+    assert subjects(["workers/worker.py"]) == ["the move", "after the move"]
+    assert subjects(files) == ["before the move", "the move", "after the move"]
+
+
 def make_history(root: Path) -> tuple[Path, dict[str, str]]:
     """c1 correct, c2 does not import, c3 correct, c4 plants a bug (tagged v1), c5 touches only a
     README, c6 fixes the bug (tagged v2)."""
@@ -258,6 +279,30 @@ def test_a_commit_that_cannot_be_exported_is_shown_as_cannot_run_and_not_cached(
     cache = sweep_cache.SweepCache(tmp_path / "cache", {"k": 1})
     result = engine.sweep([Commit("0" * 40, "2025-01-01", "gone")], [sc], cache, check)
     assert result.cells["0" * 40][sc.name].state == CANNOT_RUN and cache.load("0" * 40) == {}
+
+
+def test_a_file_the_clone_does_not_hold_is_left_out_of_the_export_unless_it_is_python(tmp_path):
+    """A mirrored or partial clone lacks large files (NeMo-RL's uv.lock, SkyRL's images): the
+    commit is exported without them; a missing Python file fails the export (a target may import it)."""
+    repo = tmp_path / "partial"
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "loss.py").write_text("x = 1\n")
+    (repo / "big.svg").write_text("<svg/>\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c1"], check=True)
+
+    def drop(path: str) -> None:
+        oid = subprocess.run(git + ["rev-parse", f"HEAD:{path}"], capture_output=True, text=True).stdout.strip()
+        (repo / ".git" / "objects" / oid[:2] / oid[2:]).unlink()
+
+    drop("big.svg")
+    sha = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert commit_check.missing_blobs(repo, sha) == ["big.svg"]
+    assert commit_check.export(repo, sha, tmp_path / "out") is None
+    assert (tmp_path / "out" / "loss.py").read_text() == "x = 1\n" and not (tmp_path / "out" / "big.svg").exists()
+    drop("loss.py")
+    assert commit_check.export(repo, sha, tmp_path / "out2") is not None
 
 
 def test_the_cache_key_follows_the_code_a_cell_depends_on_and_not_how_it_is_shown(tmp_path):

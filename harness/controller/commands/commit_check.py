@@ -24,12 +24,32 @@ GIT_TIMEOUT_S = 120.0
 EXPORT_FAILED = "cannot be exported"
 
 
+def missing_blobs(repo: str | Path, sha: str) -> list[str]:
+    """The paths of the commit's tree whose contents the clone does not hold (a partial or
+    mirrored clone leaves large files out)."""
+    listing = subprocess.run(["git", "-C", str(repo), "ls-tree", "-r", "-z", sha], capture_output=True,
+                             timeout=GIT_TIMEOUT_S)
+    entries = [e.split("\t", 1) for e in listing.stdout.decode(errors="replace").split("\0") if "\t" in e]
+    blobs = {meta.split()[2]: path for meta, path in entries if meta.split()[1] == "blob"}
+    check = subprocess.run(["git", "-C", str(repo), "cat-file", "--batch-check"], capture_output=True,
+                           timeout=GIT_TIMEOUT_S, input="".join(f"{oid}\n" for oid in blobs).encode())
+    return sorted(blobs[line.split()[0]] for line in check.stdout.decode().splitlines()
+                  if line.endswith(" missing") and line.split()[0] in blobs)
+
+
 def export(repo: str | Path, sha: str, into: Path) -> str | None:
     """The commit's tree written into ``into`` (with its hash beside it, where targets.source reads
-    an exported tree's commit); None, or why it cannot be exported."""
+    an exported tree's commit); None, or why it cannot be exported. Files the clone does not hold
+    are left out when none of them is Python source (a lock file, an image: nothing a target
+    imports); a missing Python file makes the commit one that cannot be exported."""
     try:
-        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", sha], capture_output=True,
-                                 timeout=300)
+        command = ["git", "-C", str(repo), "archive", "--format=tar", sha]
+        archive = subprocess.run(command, capture_output=True, timeout=300)
+        if archive.returncode != 0:
+            missing = missing_blobs(repo, sha)
+            if missing and not any(path.endswith(".py") for path in missing):
+                archive = subprocess.run(command + ["--", ".", *(f":(exclude,literal){p}" for p in missing)],
+                                         capture_output=True, timeout=300)
         if archive.returncode != 0:
             return archive.stderr.decode(errors="replace").strip()[:200] or "git archive failed"
         into.mkdir(parents=True, exist_ok=True)

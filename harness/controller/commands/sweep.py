@@ -82,6 +82,18 @@ def select_commits(repo: str | Path, files: Sequence[str], *, since: str | None 
     return commits
 
 
+def with_earlier_names(repo: str | Path, revisions: str | None, files: Sequence[str]) -> list[str]:
+    """``files`` and every name each had before, up to the newest commit of ``revisions`` (git's
+    --follow, one file at a time): a file moved since (NeMo-RL's dtensor_policy_worker.py into
+    workers/) is selected by its commits under its old name too, which a log of the new path misses."""
+    newest = (revisions or "HEAD").split("..")[-1] or "HEAD"
+    names = dict.fromkeys(files)
+    for path in files:
+        out = git(repo, "log", "--follow", "--name-only", "--format=", newest, "--", path, what="git log --follow")
+        names.update(dict.fromkeys(line.strip() for line in out.splitlines() if line.strip()))
+    return sorted(names)
+
+
 def tags_by_commit(repo: str | Path) -> dict[str, list[str]]:
     """Each tagged commit's tags (annotated tags peeled to their commit)."""
     out = git(repo, "for-each-ref", "--format=%(objectname) %(*objectname) %(refname:short)", "refs/tags",
