@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Knob, Rollout, positive_int, positive_int_or_none
 from shardcheck.targets.compiled import compile_alone, module_imports, with_newer_fields
@@ -230,20 +231,28 @@ class NemoRLLossPath:
     def __init__(self, src: Path, model_utils: Any, sampling: Any, fused: bool) -> None:
         import math
 
-        if sampling is None or not hasattr(sampling, "need_top_k_or_top_p_filtering"):
-            raise LookupError(f"{src}: no nemo_rl/algorithms/logits_sampling_utils.need_top_k_or_top_p_filtering")
         self.fused = fused
         self.LossInputType = compile_alone(src / INTERFACES_FILE, ["LossInputType"], {"enum": enum})["LossInputType"]
-        algorithms = compile_alone(src / ALGORITHM_UTILS_FILE, ["mask_out_neg_inf_logprobs"], {"torch": torch})
         given = {"torch": torch, "LossInputType": self.LossInputType,
-                 "mask_out_neg_inf_logprobs": algorithms["mask_out_neg_inf_logprobs"],
-                 "need_top_k_or_top_p_filtering": sampling.need_top_k_or_top_p_filtering,
                  **{n: getattr(model_utils, n) for n in self.MODEL_UTILS_NAMES if hasattr(model_utils, n)}}
+        # the -inf masking and the top-k / top-p check came later than loss/utils.py (#1920): given
+        # where the commit has them (a preparation that reads one the commit lacks is refused below)
+        try:
+            given["mask_out_neg_inf_logprobs"] = compile_alone(src / ALGORITHM_UTILS_FILE, ["mask_out_neg_inf_logprobs"],
+                                                               {"torch": torch})["mask_out_neg_inf_logprobs"]
+        except LookupError:
+            pass
+        if sampling is not None and hasattr(sampling, "need_top_k_or_top_p_filtering"):
+            given["need_top_k_or_top_p_filtering"] = sampling.need_top_k_or_top_p_filtering
         prepare, wrapper = (FUSED_PREPARE, FUSED_WRAPPER) if fused else (UNFUSED_PREPARE, UNFUSED_WRAPPER)
         names = ["_pack_input_ids", prepare] if fused else [prepare]
         # the cross-tokenizer distillation branch is not the LOGPROB loss's
-        self.prepare = compile_alone(src / LOSS_UTILS_FILE, names, given,
-                                     off_path=("prepare_xtoken_cross_tokenizer_loss_input",))[prepare]
+        try:
+            self.prepare = compile_alone(src / LOSS_UTILS_FILE, names, given,
+                                         off_path=("prepare_xtoken_cross_tokenizer_loss_input",))[prepare]
+        except LookupError as exc:
+            raise BadInput(f"NeMo-RL's loss preparation at {src.name} reads what the adapter does not give: {exc}") \
+                from None
         self.wrapper = compile_alone(src / WRAPPER_FILE, [wrapper], {"torch": torch, "math": math})[wrapper]
 
     def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, packed_seq_params: Any, tp_rank: int,

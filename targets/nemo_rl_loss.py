@@ -116,6 +116,34 @@ def _binds_loss(node: ast.Assign | ast.AugAssign) -> bool:
     return any(isinstance(t, ast.Name) and t.id == "loss" for t in targets)
 
 
+EXAMPLE_CONFIG = Path("examples/configs/grpo_math_1B.yaml")
+
+
+def example_loss_config(src: Path) -> dict[str, Any]:
+    """The loss_fn section of NeMo-RL's own GRPO example config: the values a commit whose
+    ClippedPGLossConfig declares no defaults (a TypedDict, until #2325 made it a pydantic model) runs with."""
+    import yaml  # the test extra's; only this era needs it
+
+    path = src / EXAMPLE_CONFIG
+    if not path.is_file():
+        raise LookupError(f"no defaults in ClippedPGLossConfig and no {EXAMPLE_CONFIG}")
+    section = (yaml.safe_load(path.read_text()) or {}).get("loss_fn")
+    if not isinstance(section, dict):
+        raise LookupError(f"{EXAMPLE_CONFIG} has no loss_fn section")
+    return section
+
+
+class LossConfig(dict):
+    """ClippedPGLossFn's config as each era reads it: a dict (``cfg["ratio_clip_min"]``) until the
+    loss took an object (``cfg.ratio_clip_min``), read both ways."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 def valid_counts(inputs: RankInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid samples, valid tokens) of the replica's batch, all-reduced over the data-parallel
     group, as NeMo-RL's workers count them before the micro-batches run."""
@@ -144,7 +172,7 @@ class WorkerLossEra:
     """NeMo-RL's DTensor-worker era of the loss: ClippedPGLossFn takes the logits."""
 
     loss_takes: str  # "logits"
-    global_count: bool  # the loss takes total_valid_tokens_or_seqs (the global batch's count)
+    global_count: bool  # the loss takes the global batch's count (total_valid_tokens_or_seqs, or its two counts)
     worker_lines: tuple[str, ...]  # the worker's lines around the loss, as its source has them
 
 
@@ -179,7 +207,10 @@ class NemoRLLossTarget(CheckoutTarget):
             self.worker_lines = worker_loss_lines(worker_file)
         except (LookupError, SyntaxError) as exc:
             raise BadInput(f"nemo_rl:loss cannot follow NeMo-RL's worker at {self.short()}: {exc}") from None
-        self.global_count = "total_valid_tokens_or_seqs" in params
+        # the global batch's count: one argument (#266), or, from b9607949d (#312's token-level
+        # metrics) until the loss moved to loss/, both counts, the loss picking by its loss_type
+        self.both_counts = {"global_valid_seqs", "global_valid_toks"} <= set(params)
+        self.global_count = "total_valid_tokens_or_seqs" in params or self.both_counts
         asked = config.get(OPTION)
         if asked is not None and not self.global_count:
             raise BadInput(f"NeMo-RL at {self.short()} has no {OPTION} (its loss is each micro-batch's token mean)")
@@ -211,7 +242,7 @@ class NemoRLLossTarget(CheckoutTarget):
 
     def description(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "loss": f"{LOSS_FILE}:{LOSS_CLASS} ({', '.join(f'{k}={v}' for k, v in LOSS_CONFIG.items())})",
+            "loss": f"{LOSS_FILE}:{LOSS_CLASS} ({', '.join(f'{k}={v}' for k, v in self._config().items())})",
             "worker_lines": f"{WORKER_FILE} train: " + "; ".join(ast.unparse(s) for s in self.worker_lines),
             "schedule_difference": "the worker sums its micro-batches' gradients; megatron's schedule divides each "
                                    "loss by num_microbatches, so the schedule is handed the worker's loss x "
@@ -250,11 +281,19 @@ class NemoRLLossTarget(CheckoutTarget):
                                    off_path=("get_logprobs_from_vocab_parallel_logits",))
             except LookupError as exc:
                 raise BadInput(f"nemo_rl:loss cannot load NeMo-RL's {LOSS_CLASS} at {self.short()}: {exc}") from None
-            cfg = dict(LOSS_CONFIG)
+            cfg = self._config()
             if self.global_count:
                 cfg[OPTION] = self.token_level
             self._loss = ns[LOSS_CLASS](cfg)
         return self._loss
+
+    def _config(self) -> dict[str, Any]:
+        """NeMo-RL's own GRPO example config's loss_fn where the commit has one (its keys were
+        renamed over the eras: ratio_eps_min, then ratio_clip_min), else the same values by hand."""
+        try:
+            return example_loss_config(self.src)
+        except (LookupError, ImportError):
+            return dict(LOSS_CONFIG)
 
     def _utils_names(self) -> list[str]:
         names = ["masked_mean", "calculate_kl_penalty_joschu2020"]
@@ -286,7 +325,7 @@ class NemoRLLossTarget(CheckoutTarget):
         logits = inputs.logits / inputs.temperature if inputs.temperature != 1.0 else inputs.logits
         args: list[Any] = [logits, data]
         if self.global_count:
-            args.append(self._normalization(inputs))
+            args.extend(valid_counts(inputs) if self.both_counts else [self._normalization(inputs)])
         self._seen = None
         loss, metrics = self._loss_fn()(*args)
         if self._seen is None:
@@ -405,8 +444,9 @@ class NemoRLMegatronLossTarget(NemoRLLossTarget):
         except ValueError as exc:
             raise BadInput(f"target 'nemo_rl:loss': {exc}") from None
         try:
-            self.loss_config = config_defaults(self.src / NEW_LOSS_FILE, "ClippedPGLossConfig")
-        except (LookupError, ValueError, SyntaxError) as exc:
+            self.loss_config = (config_defaults(self.src / NEW_LOSS_FILE, "ClippedPGLossConfig")
+                                or example_loss_config(self.src))
+        except (LookupError, ValueError, SyntaxError, ImportError) as exc:
             raise BadInput(f"nemo_rl:loss cannot read NeMo-RL's loss configuration at {self.short()}: {exc}") from None
         self.loss_config[OPTION] = self.token_level
         self.era = MegatronLossEra(loss_takes="log-probs", post_processor=f"{TRAIN_FILE}:{POST_PROCESSOR}")
@@ -449,16 +489,18 @@ class NemoRLMegatronLossTarget(NemoRLLossTarget):
             sampling = sys.modules.get("nemo_rl.algorithms.logits_sampling_utils")
             path = NemoRLLossPath(self.src, model_utils, sampling, fused=False)
             # the one LossInputType the preparation and the loss share
-            interfaces = compile_alone(self.src / INTERFACES, ["LossType", "MetricNormalizer"], {"enum": enum})
+            # MetricNormalizer came after the loss moved to loss/ (#1920): compiled where defined
+            wanted = [n for n in ("LossType", "MetricNormalizer") if n == "LossType" or self._defines(n, INTERFACES)]
+            interfaces = compile_alone(self.src / INTERFACES, wanted, {"enum": enum})
             utils = compile_alone(self.src / UTILS_FILE, ["masked_mean", "calculate_kl"], {"torch": torch})
             given = {"torch": torch, "LossFunction": object, "masked_mean": utils["masked_mean"],
                      "calculate_kl": utils["calculate_kl"], "LossInputType": path.LossInputType,
-                     **{k: interfaces[k] for k in ("LossType", "MetricNormalizer")}}
+                     **{k: interfaces[k] for k in wanted}}
             try:
                 ns = compile_alone(self.src / NEW_LOSS_FILE, [LOSS_CLASS], given)
             except LookupError as exc:
                 raise BadInput(f"nemo_rl:loss cannot load NeMo-RL's {LOSS_CLASS} at {self.short()}: {exc}") from None
-            self._loss = _Recorder(ns[LOSS_CLASS](types.SimpleNamespace(**self.loss_config)))
+            self._loss = _Recorder(ns[LOSS_CLASS](LossConfig(self.loss_config)))
             self._post = self._post_processor(path.prepare)
         return self._loss
 

@@ -771,6 +771,29 @@ def test_the_micro_batch_token_mean_fixed_at_266(tmp_path):
         assert name in ran, sorted(ran)
 
 
+# eras the sweep found the adapter mis-calling (ours): each was a rank_error over months of commits
+LOSS_ERAS = [
+    ("0fae6bc24", 1),  # the loss config's ratio_eps_min (renamed ratio_clip_min since): #266's bug, then
+    ("b9607949d", 0),  # the loss taking global_valid_seqs and global_valid_toks, its loss_type from the config
+    ("dc9dce44b", 0),  # loss/ (#1920): no MetricNormalizer, no top-k / top-p check, a TypedDict config
+]
+
+
+@needs_history
+@pytest.mark.world
+@pytest.mark.parametrize("rev, code", LOSS_ERAS, ids=[rev for rev, _ in LOSS_ERAS])
+def test_nemo_rl_loss_follows_the_eras_the_sweep_found(rev, code, tmp_path):
+    scenarios = tmp_path / "n1.json"
+    scenarios.write_text(json.dumps(N1_SCENARIO))
+    # the loss config of these eras is the GRPO example config's (nemo_rl_loss.example_loss_config)
+    src = export_commit(os.environ[REPO_ENV], rev, tmp_path / "src", "nemo_rl", "examples/configs/grpo_math_1B.yaml")
+    proc, verdicts, _ = _run(tmp_path, "nemo_rl:loss", "--nemo-rl-src", src, "--scenario-file", str(scenarios),
+                             "--no-mask-leak")
+    [v] = verdicts.values()
+    assert proc.returncode == code, proc.stdout[-2000:]
+    assert v["kinds"] == (["grad_mismatch"] if code else []), v
+
+
 @needs_nemo_rl
 @pytest.mark.world
 def test_nemo_rl_loss_runs_the_megatron_post_processor_at_the_pin_and_coverage_names_it(tmp_path):
