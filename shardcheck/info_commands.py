@@ -1,10 +1,12 @@
 """The commands that write or show what is already known: repro (one failure as a standalone
-script), report (a saved JSON report as the HTML page), suites and targets (the listings)."""
+script), report (a saved JSON report as the HTML page, a GitHub job summary or annotations),
+suites and targets (the listings)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -91,17 +93,28 @@ def _layouts_of_a_run(config: Any, scenario: Any) -> dict[int, dict[str, Any]]:
 @register
 class Report(Command):
     name = "report"
-    help = "render a saved JSON report as the HTML page --html-report writes"
+    help = ("render a saved JSON report: the HTML page --html-report writes, a GitHub job summary, "
+            "GitHub annotations on the source lines its failures name")
 
     def add_options(self, h: argparse.ArgumentParser) -> None:
         h.add_argument("json", metavar="JSON", help="a JSON report (shardcheck run --json-report)")
-        h.add_argument("--html", required=True, metavar="FILE", help="where the page is written")
+        h.add_argument("--html", metavar="FILE", help="where the page is written")
+        h.add_argument("--github-summary", metavar="FILE",
+                       help="append the report as Markdown to this file (created if missing): "
+                            "\"$GITHUB_STEP_SUMMARY\" in a GitHub Actions step")
+        h.add_argument("--annotations", nargs="?", const="", default=None, metavar="ROOT",
+                       help="print a GitHub ::error annotation for each source line a failure names in a file "
+                            "under ROOT (default: the report's target checkout if inside this folder, else this "
+                            "folder), at most 50")
 
     def plan(self, args: argparse.Namespace) -> Plan:
         import json
 
         from shardcheck.harness.controller.reports.html_report import check_writable
+        from shardcheck.harness.controller.reports.report_file import SavedReport, check_report_path
 
+        if args.html is None and args.github_summary is None and args.annotations is None:
+            raise BadInput("give what to make of the report: --html FILE, --github-summary FILE or --annotations")
         try:
             with open(args.json, encoding="utf-8") as f:
                 doc = json.load(f)
@@ -111,14 +124,51 @@ class Report(Command):
             raise BadInput(f"JSON report {args.json!r} cannot be read: {exc}") from None
         if not isinstance(doc, dict):
             raise BadInput(f"{args.json!r} is not a shardcheck JSON report (not an object)")
-        check_writable(args.html)
-        return Plan(settings=SimpleNamespace(doc=doc, html=args.html), args=args)
+        if args.github_summary is not None or args.annotations is not None:
+            try:  # the page also draws an invariance matrix; these two read a run's verdicts
+                SavedReport.from_dict(doc)
+            except BadInput as exc:
+                wanted = "--github-summary" if args.github_summary is not None else "--annotations"
+                raise BadInput(f"{wanted} reads a run's report (shardcheck run --json-report): {args.json!r}: "
+                               f"{exc}") from None
+        if args.html is not None:
+            check_writable(args.html)
+        if args.github_summary is not None:
+            check_report_path(args.github_summary, "--github-summary", "the GitHub summary")
+        root = None
+        if args.annotations is not None:
+            from shardcheck.harness.controller.reports.github_summary import default_root
+
+            root = Path(args.annotations).resolve() if args.annotations else default_root(doc)
+            if not root.is_dir():
+                raise BadInput(f"--annotations {args.annotations!r} is not a folder (the checkout the report's "
+                               "source lines are in)")
+        return Plan(settings=SimpleNamespace(doc=doc, html=args.html, github_summary=args.github_summary,
+                                             annotations=root), args=args)
 
     def execute(self, plan: Plan) -> int:
-        from shardcheck.harness.controller.reports.html_report import render, write
+        s = plan.settings
+        if s.html is not None:
+            from shardcheck.harness.controller.reports.html_report import render, write
 
-        write(plan.settings.html, render(plan.settings.doc))
-        print(f"wrote {plan.settings.html}")
+            write(s.html, render(s.doc))
+            print(f"wrote {s.html}")
+        if s.github_summary is not None:
+            from shardcheck.harness.controller.reports.github_summary import summary_markdown
+            from shardcheck.harness.controller.reports.report_file import write_error
+
+            text = summary_markdown(s.doc)
+            try:  # appended: a job's steps each add their part to the one summary
+                with open(s.github_summary, "a", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError as exc:
+                raise BadInput(write_error("--github-summary", s.github_summary, exc)) from None
+            print(f"appended the summary to {s.github_summary}")
+        if s.annotations is not None:
+            from shardcheck.harness.controller.reports.github_summary import annotations
+
+            for line in annotations(s.doc, s.annotations):
+                print(line)
         return EXIT_OK
 
 

@@ -83,6 +83,8 @@ def _value(action: argparse.Action, base: list[str], tmp: Path) -> list[str]:
         "html_report": [str(tmp / "r.html")],
         "out": [str(tmp / "out.json")],
         "html": [str(tmp / "other.html")],
+        "github_summary": [str(tmp / "summary.md")],
+        "annotations": [str(tmp)],
         "report": [str(tmp / "report.json")],
         "src_repo": [str(tmp / "repo"), str(tmp / "repo2")],
         "axis": ["rerun"],
@@ -146,7 +148,10 @@ def _files(tmp: Path) -> None:
     smoke = get_suite("smoke")
     # the first smoke scenario's name, other samples: a file is not the suite it was taken from
     (tmp / "scenarios.json").write_text(json.dumps([smoke[0].to_dict() | {"seed": 7}]))
-    (tmp / "report.json").write_text(json.dumps({"scenarios": [{"name": smoke[0].name, "target": "builtin"}]}))
+    # a run's report of one failed scenario (report --github-summary and --annotations read its verdicts)
+    (tmp / "report.json").write_text(json.dumps({"target_spec": "builtin", "scenarios": [
+        {"name": smoke[0].name, "verdict": "fail", "failures": [{"kind": "value_mismatch", "message": "off"}],
+         "scenario": smoke[0].to_dict()}]}))
     # a git clone with one commit: what sweep's --src-repo must be before it plans anything
     for repo in (tmp / "repo", tmp / "repo2"):
         repo.mkdir(exist_ok=True)

@@ -17,7 +17,8 @@ import html
 import shlex
 from typing import Any
 
-from shardcheck.harness.controller.reports.run_report import scenario_count, visible
+from shardcheck.harness.controller.reports.run_report import (SCENARIO_FILE, replay_command, scenario_count,
+                                                              visible)
 from shardcheck.harness.controller.reports.report_file import GuardedWrites, SavedReport, check_report_path, replace_with
 from shardcheck.harness.controller.reports.verdict import FAIL, Verdict
 from shardcheck.harness.wire import Failure
@@ -191,11 +192,11 @@ def _scenario(verdict: Verdict, target_spec: str | None, repro: bool = False) ->
     out += _layout_map(scenario, verdict.layouts)
     out.append("<h3>Scenario</h3><pre class=scenario>" + _e(scenario.to_json()) + "</pre>")
     if target_spec:
-        out.append(f"<p>To run it again, save it as <code>scenario.json</code>, then:</p><pre class=replay>"
-                   f"shardcheck run --target {_e(target_spec)} --scenario-file scenario.json</pre>")
+        out.append(f"<p>To run it again, save it as <code>{SCENARIO_FILE}</code>, then:</p><pre class=replay>"
+                   f"{_e(replay_command(target_spec))}</pre>")
         if repro and _scriptable(scenario, verdict.kinds):
             out.append(f"<p>As a script that needs only torch and the code under test:</p><pre class=replay>"
-                       f"shardcheck repro --target {_e(target_spec)} --scenario-file scenario.json "
+                       f"shardcheck repro --target {_e(target_spec)} --scenario-file {SCENARIO_FILE} "
                        f"--scenario {_e(shlex.quote(scenario.name))}</pre>")
     out.append("</section>")
     return out

@@ -341,8 +341,9 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
         if v.status in (FAIL, ERROR):
             lines.append("")
             lines.append(render_failure(v))
-            if v.status == FAIL and info.repro and _repro_refusal(v.scenario, v.kinds) is None:
-                lines.append("  as a script needing only torch: " + info.repro.format(scenario=shell_word(v.scenario.name)))
+            repro = repro_line(info, v)
+            if repro:
+                lines.append("  as a script needing only torch: " + repro)
     c = _counts(verdicts)
     start = info.startup_seconds
     if info.world_events:
@@ -379,6 +380,24 @@ def render_table(verdicts: list[Verdict], info: RunInfo, planned: int | None = N
            f"{info.ranks} ranks)" if start else "")
     )
     return "\n".join(lines)
+
+
+# the file a failed scenario is saved as to be run again (the HTML page and the GitHub summary
+# show its JSON beside the command)
+SCENARIO_FILE = "scenario.json"
+
+
+def replay_command(target_spec: str) -> str:
+    """The command that runs a failed scenario again, once saved as :data:`SCENARIO_FILE`."""
+    return f"shardcheck run --target {target_spec} --scenario-file {SCENARIO_FILE}"
+
+
+def repro_line(info: RunInfo, verdict: Verdict) -> str | None:
+    """The `shardcheck repro` command that writes ``verdict``'s failure as a script needing only
+    torch; None where the scenario did not fail, or the target or the failure cannot be written so."""
+    if verdict.status != FAIL or not info.repro or _repro_refusal(verdict.scenario, verdict.kinds) is not None:
+        return None
+    return info.repro.format(scenario=shell_word(verdict.scenario.name))
 
 
 def _repro_refusal(scenario: Scenario, kinds: list[str]) -> str | None:
