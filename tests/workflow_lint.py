@@ -31,6 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,14 +71,15 @@ class Finding:
         return f"{self.path}:{self.line}:{self.column}: {self.message} [{self.kind}]"
 
 
-class Actionlint:
+class Actionlint(ABC):
     """One way of running actionlint: ``lint`` returns the findings for the files, each naming its
     file as it was given; ``name`` says which actionlint it is (for a failure's message)."""
 
     name: str
 
+    @abstractmethod
     def lint(self, paths: Sequence[Path]) -> list[Finding]:
-        raise NotImplementedError
+        """The findings for ``paths``, each naming its file as given."""
 
 
 class Executable(Actionlint):
