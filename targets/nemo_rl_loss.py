@@ -122,7 +122,7 @@ EXAMPLE_CONFIG = Path("examples/configs/grpo_math_1B.yaml")
 def example_loss_config(src: Path) -> dict[str, Any]:
     """The loss_fn section of NeMo-RL's own GRPO example config: the values a commit whose
     ClippedPGLossConfig declares no defaults (a TypedDict, until #2325 made it a pydantic model) runs with."""
-    import yaml  # the test extra's; only this era needs it
+    import yaml
 
     path = src / EXAMPLE_CONFIG
     if not path.is_file():
@@ -292,7 +292,7 @@ class NemoRLLossTarget(CheckoutTarget):
         renamed over the eras: ratio_eps_min, then ratio_clip_min), else the same values by hand."""
         try:
             return example_loss_config(self.src)
-        except (LookupError, ImportError):
+        except LookupError:  # no example config at this commit
             return dict(LOSS_CONFIG)
 
     def _utils_names(self) -> list[str]:
@@ -446,7 +446,7 @@ class NemoRLMegatronLossTarget(NemoRLLossTarget):
         try:
             self.loss_config = (config_defaults(self.src / NEW_LOSS_FILE, "ClippedPGLossConfig")
                                 or example_loss_config(self.src))
-        except (LookupError, ValueError, SyntaxError, ImportError) as exc:
+        except (LookupError, ValueError, SyntaxError) as exc:
             raise BadInput(f"nemo_rl:loss cannot read NeMo-RL's loss configuration at {self.short()}: {exc}") from None
         self.loss_config[OPTION] = self.token_level
         self.era = MegatronLossEra(loss_takes="log-probs", post_processor=f"{TRAIN_FILE}:{POST_PROCESSOR}")
