@@ -113,6 +113,31 @@ def test_a_file_moved_since_is_selected_by_its_commits_under_its_old_name_too(tm
     assert subjects(files) == ["before the move", "the move", "after the move"]
 
 
+def test_earlier_names_are_followed_in_a_clone_lacking_a_blob(tmp_path):
+    """SkyRL's mirror lacks its images' blobs: git's rename detection cannot score a deleted image
+    against an added file, and --follow fails; the moves that kept a file's contents are still
+    followed (compared by hash), so the sweep goes on."""
+    repo = tmp_path / "partial"
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "old.svg").write_text("<svg>" + "x" * 200 + "</svg>\n")
+    (repo / "worker.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c1"], check=True)
+    oid = subprocess.run(git + ["rev-parse", "HEAD:old.svg"], capture_output=True, text=True).stdout.strip()
+    (repo / "old.svg").unlink()
+    (repo / "pkg").mkdir()
+    subprocess.run(git + ["mv", "worker.py", "pkg/worker.py"], check=True)
+    (repo / "new.py").write_text("y = 2\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c2"], check=True)
+    (repo / ".git" / "objects" / oid[:2] / oid[2:]).unlink()
+    follow = subprocess.run(git + ["log", "--follow", "--format=", "--name-only", "--", "new.py"], capture_output=True)
+    assert follow.returncode != 0  # what git itself does here
+    assert engine.with_earlier_names(repo, None, ["new.py", "pkg/worker.py"]) == ["new.py", "pkg/worker.py",
+                                                                                  "worker.py"]
+
+
 def make_history(root: Path) -> tuple[Path, dict[str, str]]:
     """c1 correct, c2 does not import, c3 correct, c4 plants a bug (tagged v1), c5 touches only a
     README, c6 fixes the bug (tagged v2)."""

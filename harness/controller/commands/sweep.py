@@ -89,8 +89,16 @@ def with_earlier_names(repo: str | Path, revisions: str | None, files: Sequence[
     newest = (revisions or "HEAD").split("..")[-1] or "HEAD"
     names = dict.fromkeys(files)
     for path in files:
-        out = git(repo, "log", "--follow", "--name-only", "--format=", newest, "--", path, what="git log --follow")
-        names.update(dict.fromkeys(line.strip() for line in out.splitlines() if line.strip()))
+        # a clone lacking some blobs (mirrored, partial) cannot score an inexact rename: then only
+        # the moves that kept the file's contents (-M100%: compared by hash), else its name alone
+        for similarity in ((), ("-M100%",)):
+            try:
+                out = git(repo, "log", "--follow", *similarity, "--name-only", "--format=", newest, "--", path,
+                          what="git log --follow")
+            except BadInput:
+                continue
+            names.update(dict.fromkeys(line.strip() for line in out.splitlines() if line.strip()))
+            break
     return sorted(names)
 
 
