@@ -314,6 +314,8 @@ def test_a_file_the_clone_does_not_hold_is_left_out_of_the_export_unless_it_is_p
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     (repo / "loss.py").write_text("x = 1\n")
     (repo / "big.svg").write_text("<svg/>\n")
+    (repo / "docs").mkdir()
+    (repo / "docs" / "copy.svg").write_text("<svg/>\n")  # the same content at a second path
     subprocess.run(git + ["add", "-A"], check=True)
     subprocess.run(git + ["commit", "-qm", "c1"], check=True)
 
@@ -323,9 +325,10 @@ def test_a_file_the_clone_does_not_hold_is_left_out_of_the_export_unless_it_is_p
 
     drop("big.svg")
     sha = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    assert commit_check.missing_blobs(repo, sha) == ["big.svg"]
+    assert commit_check.missing_blobs(repo, sha) == ["big.svg", "docs/copy.svg"]
     assert commit_check.export(repo, sha, tmp_path / "out") is None
     assert (tmp_path / "out" / "loss.py").read_text() == "x = 1\n" and not (tmp_path / "out" / "big.svg").exists()
+    assert not (tmp_path / "out" / "docs" / "copy.svg").exists()
     drop("loss.py")
     assert commit_check.export(repo, sha, tmp_path / "out2") is not None
 

@@ -30,11 +30,14 @@ def missing_blobs(repo: str | Path, sha: str) -> list[str]:
     listing = subprocess.run(["git", "-C", str(repo), "ls-tree", "-r", "-z", sha], capture_output=True,
                              timeout=GIT_TIMEOUT_S)
     entries = [e.split("\t", 1) for e in listing.stdout.decode(errors="replace").split("\0") if "\t" in e]
-    blobs = {meta.split()[2]: path for meta, path in entries if meta.split()[1] == "blob"}
+    blobs: dict[str, list[str]] = {}  # one content may sit at several paths (a copied image)
+    for meta, path in entries:
+        if meta.split()[1] == "blob":
+            blobs.setdefault(meta.split()[2], []).append(path)
     check = subprocess.run(["git", "-C", str(repo), "cat-file", "--batch-check"], capture_output=True,
                            timeout=GIT_TIMEOUT_S, input="".join(f"{oid}\n" for oid in blobs).encode())
-    return sorted(blobs[line.split()[0]] for line in check.stdout.decode().splitlines()
-                  if line.endswith(" missing") and line.split()[0] in blobs)
+    return sorted(path for line in check.stdout.decode().splitlines()
+                  if line.endswith(" missing") and line.split()[0] in blobs for path in blobs[line.split()[0]])
 
 
 def export(repo: str | Path, sha: str, into: Path) -> str | None:
