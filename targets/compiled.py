@@ -18,6 +18,8 @@ import symtable
 from pathlib import Path
 from typing import Any, Iterable
 
+from shardcheck.errors import ShardcheckError
+
 _BUILTINS = frozenset(dir(builtins))
 
 
@@ -55,6 +57,13 @@ def _not_loaded(name: str, path: Path) -> Any:
     return absent
 
 
+class NotCompiled(ShardcheckError, LookupError):
+    """What :func:`compile_alone` cannot compile at a commit: a definition the file lacks, or a
+    name the definitions read that the adapter does not give. An era the adapter does not model:
+    on a rank, the harness's own error (the commit "cannot run"), never the target's finding; a
+    LookupError still, for the adapters that try one era's names, then another's."""
+
+
 def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any],
                   off_path: Iterable[str] = ()) -> dict[str, Any]:
     """The top-level definitions ``names`` of ``path``, compiled alone into a namespace holding
@@ -66,7 +75,7 @@ def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any],
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     absent = [n for n in wanted if n not in defs]
     if absent:
-        raise LookupError(f"{path}: no top-level {', '.join(absent)}")
+        raise NotCompiled(f"{path}: no top-level {', '.join(absent)}")
     nodes = sorted((defs[n] for n in wanted), key=lambda n: n.lineno)
     module = ast.Module(body=nodes, type_ignores=[])
     code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
@@ -78,7 +87,7 @@ def compile_alone(path: Path, names: Iterable[str], given: dict[str, Any],
     reads |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and s.is_global()} - {"annotations"}
     missing = sorted(reads - set(given) - set(wanted) - set(off_path) - _BUILTINS)
     if missing:
-        raise LookupError(f"{path}: {', '.join(wanted)} read {', '.join(missing)}, which the adapter does not give")
+        raise NotCompiled(f"{path}: {', '.join(wanted)} read {', '.join(missing)}, which the adapter does not give")
     namespace: dict[str, Any] = {"__name__": f"shardcheck_compiled_{path.stem}", "__file__": str(path),
                                  **{n: _not_loaded(n, path) for n in off_path}, **given}
     exec(code, namespace)  # noqa: S102 - the framework's own definitions, from its file

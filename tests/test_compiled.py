@@ -48,3 +48,18 @@ def test_a_name_not_given_or_a_definition_not_there_is_named(tmp_path):
         compile_alone(path, ["scale"], {})
     with pytest.raises(LookupError, match="no top-level missing_one"):
         compile_alone(path, ["scale", "missing_one"], {"helper": abs})
+
+
+def test_on_a_rank_a_name_not_given_is_the_harness_s_not_the_target_s(tmp_path):
+    """An era the adapter does not model (SkyRL's preprocess.py reading make_replay_padding_indices
+    at 68326807a): the commit cannot run; a sweep showed it as the target's rank_error."""
+    from shardcheck.errors import ShardcheckError
+    from shardcheck.harness.rank.main import RankRunner
+    from shardcheck.harness.wire import HARNESS_ERROR
+
+    path = tmp_path / "framework.py"
+    path.write_text(textwrap.dedent(SOURCE))
+    with pytest.raises(ShardcheckError) as exc:
+        compile_alone(path, ["scale"], {})
+    kind, message, _ = RankRunner._raised(exc.value)
+    assert kind == HARNESS_ERROR and message.startswith("the target could not be run here: ")
