@@ -927,6 +927,11 @@ class ArealFSDPTarget(CheckoutTarget):
         batch = TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(lengths)])
         engine = object.__new__(engine_cls)
         engine.device = device
+        if "self.sp_world_size" in ast.unparse(self._forward_def):
+            # #297 (f52e58e14) to 8f3ac9e50: the engine slices on a Ulysses device mesh of its own
+            # making, which the adapter does not build: its rows would not be the harness's
+            raise BadInput(f"AReaL at {self.short()}: the inline era with the engine's own Ulysses device mesh "
+                           "(sp_world_size, from #297 until parallel_helper) is not one this adapter models")
         engine.ulysses_sp_size = inputs.sp_size
         engine.is_vision_model = False
         group = inputs.sp_group if inputs.sp_size > 1 else None
