@@ -1,0 +1,143 @@
+"""radixark/miles's ``get_log_probs_and_entropy`` from a source checkout: ``--target miles``.
+
+miles is a fork of slime that moved its files (the log-prob path is
+``miles/backends/training_utils/``: ``loss_hub/logit_processors.py``, ``loss_hub/math_utils.py``,
+``cp_utils.py``) and reads its process groups from an object of its own
+(``training_utils/parallel.get_parallel_state()``). That object is built by miles's own
+``create_megatron_parallel_state`` (``megatron_utils/parallel.py``, compiled alone: its module
+imports Megatron-LM's training package, which megatron-core does not ship) from megatron-core's
+``parallel_state``, the groups the harness made; the ``args`` it reads there is a stand-in with
+miles's default ``cp_comm_type`` (None: ring, not Ulysses), said in the report.
+
+This first target runs the function on the harness's rows (``get_batch``'s layout is not run yet);
+miles's modules are imported with no package ``__init__`` run, and the ones the path does not use
+are stubbed only when missing (the report says which)."""
+
+from __future__ import annotations
+
+import inspect
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.compiled import compile_alone
+from shardcheck.targets.source import Framework
+
+LOGIT_MODULE = "miles.backends.training_utils.loss_hub.logit_processors"
+LOGIT_FILE = Path("miles/backends/training_utils/loss_hub/logit_processors.py")
+TRAINING_PARALLEL = "miles.backends.training_utils.parallel"
+GROUPS_MODULE = "miles.utils.ft_utils.process_group_utils"
+MEGATRON_PARALLEL_FILE = Path("miles/backends/megatron_utils/parallel.py")
+STUBBABLE = ("backports", "ray", "sglang", "wandb", "httpx", "transformers")
+
+FRAMEWORK = Framework("miles", "miles", str(LOGIT_FILE), ("miles",), STUBBABLE, package_inits="skip", eager=True,
+                      clone="a clone of radixark/miles (a fork of THUDM/slime)")
+ENV = FRAMEWORK.env
+source = FRAMEWORK.source
+
+
+class _Args(Namespace):
+    """miles's ``args``: the fields set from the scenario; a read of any other is recorded."""
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            self.__dict__.setdefault("_missing", set()).add(name)
+        raise AttributeError(name)
+
+
+class _MpuWithoutGloo:
+    """megatron-core's parallel_state, but for its data-parallel gloo group: None."""
+
+    def __init__(self, mpu: Any) -> None:
+        self._mpu = mpu
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mpu, name)
+
+    @staticmethod
+    def get_data_parallel_group_gloo(with_context_parallel: bool = False) -> None:
+        return None
+
+
+class MilesTarget(CheckoutTarget):
+    """radixark/miles's get_log_probs_and_entropy from a source checkout (--miles-src / SHARDCHECK_MILES_SRC)"""
+
+    framework = FRAMEWORK
+    name = "miles"
+    framework_files = (str(LOGIT_FILE), "miles/backends/training_utils/loss_hub/math_utils.py",
+                       "miles/backends/training_utils/cp_utils.py", "miles/backends/training_utils/parallel.py",
+                       str(MEGATRON_PARALLEL_FILE))
+
+    def __init__(self, src: str | None = None) -> None:
+        super().__init__(src)
+        self.capabilities = Capabilities(
+            layouts=frozenset({"thd", "zigzag", "allgather", "bshd"}), entropy=True,
+            dtypes=frozenset({"float32", "bfloat16"}),
+            reasons=(("dtype", "miles's get_responses asserts float32 or bfloat16 logits"),))
+        self._fn: Any = None
+        self.missing_args: set[str] = set()
+
+    def forget(self) -> None:
+        self._fn = None
+
+    def description(self) -> dict[str, Any]:
+        return {"args_read_but_not_set": sorted(self.missing_args),
+                "data_path": "the harness's rows (miles's get_batch is not run by this target yet)",
+                "parallel_state": f"{MEGATRON_PARALLEL_FILE}:create_megatron_parallel_state, compiled alone, on "
+                                  "megatron-core's groups (their data-parallel gloo copy None: the world makes "
+                                  "none); its get_args() a stand-in with cp_comm_type None"}
+
+    def _function(self) -> Any:
+        if self._fn is None:
+            module = self.import_module(LOGIT_MODULE)
+            self._fn = module.get_log_probs_and_entropy
+            self._params = set(inspect.signature(self._fn).parameters)
+        return self._fn
+
+    def _set_parallel_state(self) -> None:
+        """miles's ParallelState, as its Megatron backend builds it, from megatron-core's groups."""
+        from megatron.core import parallel_state as mpu
+
+        training = self.import_module(TRAINING_PARALLEL)
+        groups = self.import_module(GROUPS_MODULE)
+        # the harness's megatron-core groups have no gloo copies (on a gloo world they would be the
+        # same groups again): the data-parallel gloo group miles records is None, as GroupInfo allows
+        stand_in = _MpuWithoutGloo(mpu)
+        given = {"mpu": stand_in, "GroupInfo": groups.GroupInfo, "ParallelState": training.ParallelState,
+                 "get_args": lambda: Namespace(cp_comm_type=None, pipeline_model_parallel_size=1)}
+        build = compile_alone(self.src / MEGATRON_PARALLEL_FILE,
+                              ["create_megatron_parallel_state", "_compute_vpp_fields"], given)
+        indep = groups.GroupInfo(rank=0, size=1, group=None)
+        training.set_parallel_state(build["create_megatron_parallel_state"](indep))
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        fn = self._function()
+        self._set_parallel_state()
+        args = _Args(rollout_temperature=inputs.temperature, log_probs_chunk_size=inputs.chunk_size,
+                     allgather_cp=inputs.allgather_cp, qkv_format=inputs.qkv_format, true_on_policy_mode=False,
+                     entropy_coef=inputs.entropy_coef, context_parallel_size=inputs.cp_size,
+                     tensor_model_parallel_size=inputs.tp_size,
+                     vocab_size=None)  # miles reads it with getattr(args, "vocab_size", None): its default
+        kwargs: dict[str, Any] = {"args": args, "unconcat_tokens": [t.to(inputs.logits.device) for t in inputs.tokens],
+                                  "total_lengths": inputs.total_lengths, "response_lengths": inputs.response_lengths,
+                                  "with_entropy": inputs.with_entropy}
+        if "max_seq_lens" in self._params:
+            kwargs["max_seq_lens"] = inputs.max_seq_lens
+        result = fn(inputs.logits, **kwargs)
+        if isinstance(result, tuple):
+            result = result[-1]
+        self.missing_args |= args.__dict__.get("_missing", set())
+        return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
+
+
+def _build(variant: str | None, config: TargetConfig) -> MilesTarget:
+    return MilesTarget(config.src)
+
+
+target = CheckoutFactory(
+    FRAMEWORK, _build,
+    doc=("radixark/miles's get_log_probs_and_entropy (loss_hub/logit_processors.py) on the harness's rows, its "
+         "ParallelState built by its own create_megatron_parallel_state (--miles-src, --target-src or "
+         "SHARDCHECK_MILES_SRC)"))
