@@ -89,6 +89,10 @@ class MilesTarget(CheckoutTarget):
                                   "megatron-core's groups (their data-parallel gloo copy None: the world makes "
                                   "none); its get_args() a stand-in with cp_comm_type None"}
 
+    def repro_call(self) -> str | None:
+        """How a repro script calls miles (REPRO_CALL): the same function on the same rows."""
+        return REPRO_CALL
+
     def _function(self) -> Any:
         if self._fn is None:
             module = self.import_module(LOGIT_MODULE)
@@ -130,6 +134,40 @@ class MilesTarget(CheckoutTarget):
             result = result[-1]
         self.missing_args |= args.__dict__.get("_missing", set())
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
+
+
+# How a `shardcheck repro` script calls miles (harness/controller/commands/repro.py): as MilesTarget
+# does, from the checkout, megatron-core's groups built and miles's ParallelState made from them.
+REPRO_CALL = '''
+def call_code_under_test(logits, rank):
+    """miles's get_log_probs_and_entropy from rank.src, as shardcheck's miles target calls it."""
+    import ast, inspect  # noqa: E401
+    from megatron.core import parallel_state as mpu
+    sys.path.insert(0, rank.src)  # each rank's process calls this once
+    mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
+    from miles.backends.training_utils import parallel
+    from miles.backends.training_utils.loss_hub import logit_processors
+    from miles.utils.ft_utils.process_group_utils import GroupInfo
+    # miles's own create_megatron_parallel_state, compiled alone: its module imports Megatron-LM's training package
+    path = os.path.join(rank.src, "miles", "backends", "megatron_utils", "parallel.py")
+    defs = [n for n in ast.parse(open(path).read()).body
+            if isinstance(n, ast.FunctionDef) and n.name in ("create_megatron_parallel_state", "_compute_vpp_fields")]
+    no_gloo = type("Mpu", (), {"__getattr__": lambda self, name: getattr(mpu, name),  # no gloo copies of the groups
+                               "get_data_parallel_group_gloo": lambda self, with_context_parallel=False: None})()
+    ns = {"mpu": no_gloo, "GroupInfo": GroupInfo, "ParallelState": parallel.ParallelState,
+          "get_args": lambda: SimpleNamespace(cp_comm_type=None, pipeline_model_parallel_size=1)}
+    exec(compile(ast.Module(defs, []), path, "exec"), ns)
+    parallel.set_parallel_state(ns["create_megatron_parallel_state"](GroupInfo(rank=0, size=1, group=None)))
+    args = SimpleNamespace(rollout_temperature=rank.temperature, log_probs_chunk_size=rank.chunk_size, true_on_policy_mode=False,
+                           allgather_cp=rank.layout == "allgather", qkv_format="bshd" if rank.layout == "bshd" else "thd",
+                           vocab_size=None)
+    kwargs = {"args": args, "unconcat_tokens": rank.tokens, "total_lengths": rank.total_lengths,
+              "response_lengths": rank.response_lengths, "with_entropy": rank.with_entropy}
+    if "max_seq_lens" in inspect.signature(logit_processors.get_log_probs_and_entropy).parameters:
+        kwargs["max_seq_lens"] = rank.max_seq_lens
+    result = logit_processors.get_log_probs_and_entropy(logits, **kwargs)
+    return list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None
+'''
 
 
 def _build(variant: str | None, config: TargetConfig) -> MilesTarget:

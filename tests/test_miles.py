@@ -57,3 +57,23 @@ def test_the_values_match_and_the_gradient_is_rounded_to_bfloat16_by_megatron_co
     [v] = tiny.report["scenarios"]
     assert v["kinds"] == ["grad_mismatch"] and "got -0.238281, want -0.238016" in tiny.stdout, tiny.stdout[-2000:]
     assert run.report["target"]["parallel_state"].startswith("miles/backends/megatron_utils/parallel.py:")
+
+
+@needs_miles
+def test_a_repro_script_shows_the_rounded_gradient_with_torch_megatron_core_and_miles_alone(tmp_path):
+    """`shardcheck repro` writes the smallest scenario as a script: run in this venv (torch and
+    megatron-core, no shardcheck import needed), it finds the bfloat16 gradient: exit 1."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import run_cli
+
+    (tmp_path / "tiny.json").write_text(json.dumps([TINY]))
+    made = run_cli("repro", "--target", "miles", "--miles-src", MILES_SRC, "--scenario-file", str(tmp_path / "tiny.json"),
+                   "--scenario", "tiny", "--out", str(tmp_path / "repro.py"), cwd=str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    run = subprocess.run([sys.executable, str(tmp_path / "repro.py")], capture_output=True, text=True, timeout=180,
+                         cwd=tmp_path)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "FOUND in miles" in run.stdout and "gradient -0.23828125, want -0.23801616" in run.stdout, run.stdout
