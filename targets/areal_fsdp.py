@@ -927,7 +927,8 @@ class ArealFSDPTarget(CheckoutTarget):
         batch = TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(lengths)])
         engine = object.__new__(engine_cls)
         engine.device = device
-        if "self.sp_world_size" in ast.unparse(self._forward_def):
+        forward = ast.unparse(self._forward_def)
+        if "self.sp_world_size" in forward:
             # #297 (f52e58e14) to 8f3ac9e50: the engine slices on a Ulysses device mesh of its own
             # making, which the adapter does not build: its rows would not be the harness's
             raise BadInput(f"AReaL at {self.short()}: the inline era with the engine's own Ulysses device mesh "
@@ -935,7 +936,7 @@ class ArealFSDPTarget(CheckoutTarget):
         engine.ulysses_sp_size = inputs.sp_size
         engine.is_vision_model = False
         group = inputs.sp_group if inputs.sp_size > 1 else None
-        if "ulysses_sharding_manager" in ast.unparse(self._forward_def):  # AReaL's own, on the mesh stand-in
+        if "ulysses_sharding_manager" in forward:  # AReaL's own, on the mesh stand-in
             manager = self.import_module("areal.models.sharding.fsdp_ulysses").FSDPUlyssesShardingManager
             engine.ulysses_sharding_manager = manager(_Mesh(group) if group is not None else None)
         # the later inline shape (parallel_helper, sp_group; _ensure_ready-like set-up in forward)

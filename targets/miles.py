@@ -23,6 +23,7 @@ from typing import Any
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
 from shardcheck.targets.compiled import compile_alone
+from shardcheck.targets.slime import _Args  # slime's args recorder: its fork reads args as slime does
 from shardcheck.targets.source import Framework
 
 LOGIT_MODULE = "miles.backends.training_utils.loss_hub.logit_processors"
@@ -36,15 +37,6 @@ FRAMEWORK = Framework("miles", "miles", str(LOGIT_FILE), ("miles",), STUBBABLE, 
                       clone="a clone of radixark/miles (a fork of THUDM/slime)")
 ENV = FRAMEWORK.env
 source = FRAMEWORK.source
-
-
-class _Args(Namespace):
-    """miles's ``args``: the fields set from the scenario; a read of any other is recorded."""
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith("_"):
-            self.__dict__.setdefault("_missing", set()).add(name)
-        raise AttributeError(name)
 
 
 class _MpuWithoutGloo:
@@ -77,10 +69,12 @@ class MilesTarget(CheckoutTarget):
             dtypes=frozenset({"float32", "bfloat16"}),
             reasons=(("dtype", "miles's get_responses asserts float32 or bfloat16 logits"),))
         self._fn: Any = None
+        self._state_builder: Any = None
         self.missing_args: set[str] = set()
 
     def forget(self) -> None:
         self._fn = None
+        self._state_builder = None
 
     def description(self) -> dict[str, Any]:
         return {"args_read_but_not_set": sorted(self.missing_args),
@@ -101,20 +95,23 @@ class MilesTarget(CheckoutTarget):
         return self._fn
 
     def _set_parallel_state(self) -> None:
-        """miles's ParallelState, as its Megatron backend builds it, from megatron-core's groups."""
-        from megatron.core import parallel_state as mpu
+        """miles's ParallelState, as its Megatron backend builds it, from megatron-core's groups (the
+        builder compiled once; the state built anew each call, as the groups follow the scenario)."""
+        if self._state_builder is None:
+            from megatron.core import parallel_state as mpu
 
-        training = self.import_module(TRAINING_PARALLEL)
-        groups = self.import_module(GROUPS_MODULE)
-        # the harness's megatron-core groups have no gloo copies (on a gloo world they would be the
-        # same groups again): the data-parallel gloo group miles records is None, as GroupInfo allows
-        stand_in = _MpuWithoutGloo(mpu)
-        given = {"mpu": stand_in, "GroupInfo": groups.GroupInfo, "ParallelState": training.ParallelState,
-                 "get_args": lambda: Namespace(cp_comm_type=None, pipeline_model_parallel_size=1)}
-        build = compile_alone(self.src / MEGATRON_PARALLEL_FILE,
-                              ["create_megatron_parallel_state", "_compute_vpp_fields"], given)
-        indep = groups.GroupInfo(rank=0, size=1, group=None)
-        training.set_parallel_state(build["create_megatron_parallel_state"](indep))
+            training = self.import_module(TRAINING_PARALLEL)
+            groups = self.import_module(GROUPS_MODULE)
+            # the harness's megatron-core groups have no gloo copies (on a gloo world they would be
+            # the same groups again): the data-parallel gloo group miles records is None, as GroupInfo allows
+            given = {"mpu": _MpuWithoutGloo(mpu), "GroupInfo": groups.GroupInfo,
+                     "ParallelState": training.ParallelState,
+                     "get_args": lambda: Namespace(cp_comm_type=None, pipeline_model_parallel_size=1)}
+            build = compile_alone(self.src / MEGATRON_PARALLEL_FILE,
+                                  ["create_megatron_parallel_state", "_compute_vpp_fields"], given)
+            indep = groups.GroupInfo(rank=0, size=1, group=None)
+            self._state_builder = lambda: training.set_parallel_state(build["create_megatron_parallel_state"](indep))
+        self._state_builder()
 
     def compute(self, inputs: RankInputs) -> RankOutputs:
         fn = self._function()
@@ -129,9 +126,7 @@ class MilesTarget(CheckoutTarget):
                                   "with_entropy": inputs.with_entropy}
         if "max_seq_lens" in self._params:
             kwargs["max_seq_lens"] = inputs.max_seq_lens
-        result = fn(inputs.logits, **kwargs)
-        if isinstance(result, tuple):
-            result = result[-1]
+        result = fn(inputs.logits, **kwargs)  # a dict in every miles commit (slime's (empty, dict) era predates it)
         self.missing_args |= args.__dict__.get("_missing", set())
         return RankOutputs(list(result["log_probs"]), list(result["entropy"]) if "entropy" in result else None)
 

@@ -207,6 +207,7 @@ class NemoRLLossTarget(CheckoutTarget):
             self.worker_lines = worker_loss_lines(worker_file)
         except (LookupError, SyntaxError) as exc:
             raise BadInput(f"nemo_rl:loss cannot follow NeMo-RL's worker at {self.short()}: {exc}") from None
+        self.loss_config = self._config()  # read once: described and handed to the loss
         # the global batch's count: one argument (#266), or, from b9607949d (#312's token-level
         # metrics) until the loss moved to loss/, both counts, the loss picking by its loss_type
         self.both_counts = {"global_valid_seqs", "global_valid_toks"} <= set(params)
@@ -242,7 +243,7 @@ class NemoRLLossTarget(CheckoutTarget):
 
     def description(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "loss": f"{LOSS_FILE}:{LOSS_CLASS} ({', '.join(f'{k}={v}' for k, v in self._config().items())})",
+            "loss": f"{LOSS_FILE}:{LOSS_CLASS} ({', '.join(f'{k}={v}' for k, v in self.loss_config.items())})",
             "worker_lines": f"{WORKER_FILE} train: " + "; ".join(ast.unparse(s) for s in self.worker_lines),
             "schedule_difference": "the worker sums its micro-batches' gradients; megatron's schedule divides each "
                                    "loss by num_microbatches, so the schedule is handed the worker's loss x "
@@ -281,7 +282,7 @@ class NemoRLLossTarget(CheckoutTarget):
                                    off_path=("get_logprobs_from_vocab_parallel_logits",))
             except LookupError as exc:
                 raise BadInput(f"nemo_rl:loss cannot load NeMo-RL's {LOSS_CLASS} at {self.short()}: {exc}") from None
-            cfg = self._config()
+            cfg = dict(self.loss_config)
             if self.global_count:
                 cfg[OPTION] = self.token_level
             self._loss = ns[LOSS_CLASS](cfg)

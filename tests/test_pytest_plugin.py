@@ -63,15 +63,6 @@ BAD_TARGETS = [
     (["--shardcheck-target-opt", "chunk=4"], "target 'builtin' takes no --target-opt"),
     (["--shardcheck-html-report", "/no/such/dir/p.html"], "cannot write the HTML report '/no/such/dir/p.html'"),
 ]
-# every session runs in the background while other tests go on (tests/background.py)
-BACKGROUND = {
-    "plugin-marker": (_marker, 1200),
-    "plugin-builtin": (_session("-m", "multigpu", "-q", "--junitxml", "j.xml"), 600),
-    "plugin-mutant": (_session("-m", "multigpu", "-q", "--junitxml", "j.xml", "--shardcheck-target",
-                               "builtin:grad_placeholder", "--shardcheck-html-report", "page.html"), 600),
-    "plugin-xdist": (_session("-n", "2", "-q"), 600),
-    "plugin-bad": (lambda folder: _bad_sessions(folder), 180),
-}
 
 
 def _bad_sessions(folder: Path) -> list[tuple[int, str]]:
@@ -94,6 +85,17 @@ def _bad_sessions(folder: Path) -> list[tuple[int, str]]:
         out.append((int(code.split()[0]), text))
     assert len(out) == len(cases), proc.stdout[-2000:]
     return out
+
+
+# every session runs in the background while other tests go on (tests/background.py)
+BACKGROUND = {
+    "plugin-marker": (_marker, 1200),
+    "plugin-builtin": (_session("-m", "multigpu", "-q", "--junitxml", "j.xml"), 600),
+    "plugin-mutant": (_session("-m", "multigpu", "-q", "--junitxml", "j.xml", "--shardcheck-target",
+                               "builtin:grad_placeholder", "--shardcheck-html-report", "page.html"), 600),
+    "plugin-xdist": (_session("-n", "2", "-q"), 600),
+    "plugin-bad": (_bad_sessions, 180),
+}
 
 
 @pytest.mark.background("plugin-marker")
