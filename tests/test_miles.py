@@ -3,7 +3,12 @@
 Without a checkout (SHARDCHECK_MILES_SRC) the target is refused in one line and the checkout
 tests skip, saying why; with one at ci/frameworks.toml's pin, the smoke suite runs: every value
 matches, and every gradient is the live finding of docs/miles.md (megatron-core's fused cross
-entropy rounds its gradient to bfloat16 for float32 logits), nothing else."""
+entropy rounds its gradient to bfloat16 for float32 logits), nothing else. With SHARDCHECK_MILES_REPO
+(a clone with its history), #1185's parent and fix are checked.
+
+Over 20 s: with a checkout and its history, about 25 s on a quiet 2-core machine (the smoke suite
+laid out by miles's get_batch, two commits exported and run, a repro script's own world), more on a
+loaded one; without a checkout, well under a second."""
 
 from __future__ import annotations
 
