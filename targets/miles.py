@@ -60,7 +60,7 @@ class MilesTarget(CheckoutTarget):
 
     framework = FRAMEWORK
     name = "miles"
-    framework_files = (str(LOGIT_FILE), "miles/backends/training_utils/loss_hub/math_utils.py",
+    framework_files = ("miles/backends/training_utils/data.py", str(LOGIT_FILE), "miles/backends/training_utils/loss_hub/math_utils.py",
                        "miles/backends/training_utils/cp_utils.py", "miles/backends/training_utils/parallel.py",
                        str(MEGATRON_PARALLEL_FILE))
 
