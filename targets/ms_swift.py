@@ -1,0 +1,135 @@
+"""modelscope/ms-swift's Megatron GRPO trainer (``megatron rlhf --rlhf_type grpo``) from a source
+checkout: ``--target ms_swift``.
+
+What runs is ``MegatronGRPOTrainer.forward_step`` (swift/megatron/trainers/grpo_trainer.py),
+compiled alone with everything it calls from ms-swift's own files (targets/ms_swift_path.py):
+``prepare_batch`` (the label roll, the packed-sequence params, the CP split through
+``get_batch_on_this_cp_rank``), the temperature (``logits.div_``),
+``compute_logps_and_entropy_from_logits`` (vocab_parallel_utils.py: its own vocab-parallel
+log-softmax, gather and entropy over megatron-core's TP group), ``reconstruct_tensor_cp`` (an
+all-gather over CP whose backward keeps only the rank's own chunk: ``output_list[cp_rank] =
+tensor``) and ``pad_logps_back_to_batch``. Its output is what the trainer's loss_func gets: per
+sample, every token of the sequence on every CP rank, of which the response tokens are picked
+with ms-swift's own completion mask (``build_completion_mask_and_seq_lengths``).
+
+Definition under CP: every CP rank holds the whole sequence, but the gradient only reaches the
+rank's own chunk, and megatron-core multiplies a two-value loss by the CP size
+(schedules.py forward_step) while DDP averages over dp x cp: each rank's gradient is its own
+rows' share of the global loss's. So the target returns each rank's zigzag share (the default
+definition), taken from the gathered tensor. The two-value loss itself is the training step's.
+
+The model is a stand-in: it checks that the tokens ms-swift's ``prepare_batch`` hands it are the
+harness's rows and returns a fresh copy of the harness's logits, as a model's forward returns a
+tensor of its own (forward_step divides it in place by the temperature: harmless on a model's
+output, nothing else reads it; on the harness's own logits it would be the harness's tensor).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from shardcheck.errors import BadInput
+from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.ms_swift_path import (BRIDGE_FILE, FILES, GRPO_FILE, VOCAB_MODULE, GrpoForwardPath,
+                                              megatron_args)
+from shardcheck.targets.source import Framework
+
+# the checked path imports nothing else of ms-swift's; its modules' package __init__s pull its stack
+FRAMEWORK = Framework("ms_swift", "ms-swift", str(GRPO_FILE), ("swift",), (), package_inits="skip", eager=True,
+                      clone="a clone of modelscope/ms-swift")
+ENV = FRAMEWORK.env
+BRIDGE_ENV = "SHARDCHECK_MCORE_BRIDGE_SRC"
+OPTIONS = {"mcore_bridge": f"a checkout of modelscope/mcore-bridge whose split_cp_inputs splits the CP rows "
+                           f"(default: {BRIDGE_ENV}; without one the harness's zigzag split stands in)"}
+source = FRAMEWORK.source
+
+
+def bridge_source(config: TargetConfig) -> Path | None:
+    """The mcore-bridge checkout given (option, else the environment), or None; BadInput (one
+    line) for a folder that is not one."""
+    value = config.get("mcore_bridge") or os.environ.get(BRIDGE_ENV)
+    if not value:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not (path / BRIDGE_FILE).is_file():
+        raise BadInput(f"{str(path)!r} is not an mcore-bridge checkout (no {BRIDGE_FILE})")
+    return path
+
+
+class MsSwiftTarget(CheckoutTarget):
+    """ms-swift's Megatron GRPO forward_step from a source checkout (--ms-swift-src / SHARDCHECK_MS_SWIFT_SRC)"""
+
+    framework = FRAMEWORK
+    name = "ms_swift"
+    framework_files = tuple(str(f) for f in FILES)
+
+    def __init__(self, src: str | None = None, bridge: Path | None = None) -> None:
+        super().__init__(src)
+        self.bridge = bridge
+        self.capabilities = Capabilities(
+            layouts=frozenset({"thd", "zigzag", "bshd"}),
+            layout_reasons=(("allgather", "ms-swift splits CP per sequence (mcore-bridge's split_cp_inputs: zigzag, "
+                                          "or contiguous per sequence); it has no all-gather CP over the packed "
+                                          "stream"),),
+            reasons=(("replay_keep", "ms-swift's Megatron GRPO log-probs are not renormalised over a replayed "
+                                     "top-p / top-k keep set"),))
+        self._path: GrpoForwardPath | None = None
+
+    def forget(self) -> None:
+        self._path = None
+
+    def description(self) -> dict[str, Any]:
+        split = (f"mcore-bridge's split_cp_inputs from {self.bridge} ({BRIDGE_FILE}; its pin_memory().cuda() index "
+                 "kept on the CPU on a CPU world)" if self.bridge is not None else
+                 "the harness's zigzag split of each cu_seqlens segment, standing in for mcore-bridge's "
+                 "split_cp_inputs (no mcore-bridge checkout given)")
+        return {"entry_point": f"{GRPO_FILE}:MegatronGRPOTrainer.forward_step, compiled alone",
+                "cp_split": split,
+                "collator": "swift/template/base.py _data_collator's Megatron output written by the target (prompt "
+                            "labels -100, each sample padded to a multiple of 2*cp, packed or right-padded)",
+                "model": "a stand-in: checks prepare_batch's input_ids are the harness's rows, returns a fresh copy "
+                         "of the harness's logits (forward_step divides its model's output in place)",
+                "entropy": "computed as the trainer computes it (compute_entropy); its GRPO loss only masks by it "
+                           "and logs it, never differentiates it",
+                "chunk_size": "not applied: the trainer calls compute_logps_and_entropy_from_logits with its default "
+                              "entropy_chunk_size (512)"}
+
+    def _forward(self) -> GrpoForwardPath:
+        if self._path is None:
+            vocab = self.import_module(VOCAB_MODULE)
+            self._path = GrpoForwardPath(self.src, vocab, self.bridge)
+        return self._path
+
+    def _model(self, inputs: RankInputs) -> Any:
+        def model(input_ids: Any, **rest: Any) -> Any:
+            inputs.check_model_tokens(input_ids, "ms-swift's prepare_batch")
+            return inputs.logits.clone()  # a model's own output tensor (module docstring)
+        return model
+
+    def compute(self, inputs: RankInputs) -> RankOutputs:
+        path = self._forward()
+        padding_free = inputs.layout != "bshd"
+        collated = path.collate(inputs.tokens, inputs.response_lengths, inputs.cp_size, padding_free,
+                                inputs.logits.device)
+        args = megatron_args(padding_free=padding_free, tp=inputs.tp_size, cp=inputs.cp_size)
+        logps, entropy, _ = path.forward_step(collated, args, self._model(inputs), inputs.temperature,
+                                              inputs.with_entropy)
+        mask = collated.completion_mask
+        held = [tokens for _, tokens in inputs.held_rows()]  # the rank's zigzag share (all of it at cp 1)
+        out_lp = [logps[i][mask[i]][held[i]] for i in range(len(held))]
+        out_ent = None if entropy is None else [entropy[i][mask[i]][held[i]] for i in range(len(held))]
+        return RankOutputs(out_lp, out_ent)
+
+
+def _build(variant: str | None, config: TargetConfig) -> MsSwiftTarget:
+    return MsSwiftTarget(config.src, bridge_source(config))
+
+
+target = CheckoutFactory(
+    FRAMEWORK, _build, options=OPTIONS,
+    doc=("modelscope/ms-swift's Megatron GRPO forward_step (grpo_trainer.py: prepare_batch, vocab_parallel_utils's "
+         "log-probs and entropy, reconstruct_tensor_cp, pad_logps_back_to_batch) on the harness's rows (--ms-swift-src, "
+         "--target-src or SHARDCHECK_MS_SWIFT_SRC; --target-opt mcore_bridge=DIR for mcore-bridge's CP split)"))
