@@ -22,6 +22,10 @@ The model is a stand-in: it checks that the tokens ms-swift's ``prepare_batch`` 
 harness's rows and returns a fresh copy of the harness's logits, as a model's forward returns a
 tensor of its own (forward_step divides it in place by the temperature: harmless on a model's
 output, nothing else reads it; on the harness's own logits it would be the harness's tensor).
+
+A `shardcheck repro` script (REPRO_CALL) runs the same: forward_step and the same callees compiled
+alone from the checkout the script is given, the collator's output written as here, the CP split
+the zigzag stand-in (a script takes no mcore-bridge checkout).
 """
 
 from __future__ import annotations
@@ -97,6 +101,11 @@ class MsSwiftTarget(CheckoutTarget):
                 "chunk_size": "not applied: the trainer calls compute_logps_and_entropy_from_logits with its default "
                               "entropy_chunk_size (512)"}
 
+    def repro_call(self) -> str | None:
+        """How a repro script calls ms-swift (REPRO_CALL): forward_step and its callees, compiled
+        alone from the same files, on the same rows (the harness's zigzag split for CP)."""
+        return REPRO_CALL
+
     def _forward(self) -> GrpoForwardPath:
         if self._path is None:
             vocab = self.import_module(VOCAB_MODULE)
@@ -122,6 +131,47 @@ class MsSwiftTarget(CheckoutTarget):
         out_lp = [logps[i][mask[i]][held[i]] for i in range(len(held))]
         out_ent = None if entropy is None else [entropy[i][mask[i]][held[i]] for i in range(len(held))]
         return RankOutputs(out_lp, out_ent)
+
+
+# How a `shardcheck repro` script calls ms-swift (harness/controller/commands/repro.py): as MsSwiftTarget does,
+# forward_step and its callees compiled alone from rank.src (ms_swift_path.py), vocab_parallel_utils.py run whole
+# (torch and megatron-core alone), megatron-core's groups built; the CP split is the zigzag stand-in (no mcore-bridge).
+REPRO_CALL = '''
+def call_code_under_test(logits, rank):
+    """ms-swift's MegatronGRPOTrainer.forward_step from rank.src as shardcheck's ms_swift target calls it: it and its callees compiled alone."""
+    import ast, collections.abc, functools, megatron.core.packed_seq_params as psp, megatron.core.parallel_state as mpu  # noqa: E401
+    F, no, dev, cp, free = torch.nn.functional, lambda *a, **k: False, logits.device, rank.cp_size, rank.layout != "bshd"
+    mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=cp)
+    def alone(rel, names, ns):  # noqa: E306  the named functions (methods too: each name is defined once) of a file, ns their globals
+        defs = [n for n in ast.walk(ast.parse(open(os.path.join(rank.src, "swift", rel)).read())) if isinstance(n, ast.FunctionDef) and n.name in names]
+        return exec(compile(ast.Module(defs, []), os.path.join(rank.src, "swift", rel), "exec", __import__("__future__").annotations.compiler_flag), ns) or ns
+    def split_cp_inputs(x, cu, dim):  # noqa: E306  mcore-bridge's zigzag: chunks r and 2cp-1-r of each cu_seqlens segment
+        b, c, r = [0, x.shape[dim]] if cu is None else cu.tolist(), 2 * cp, rank.cp_rank
+        return x.index_select(dim, torch.cat([torch.arange(a + k * (e - a) // c, a + (k + 1) * (e - a) // c) for a, e in zip(b, b[1:]) for k in (r, c - 1 - r)]).to(x.device))
+    rl = alone("rlhf_trainers/utils.py", ["pad_logps_back_to_batch", "build_completion_mask_and_seq_lengths"],  # with transformers_utils.py's
+               alone("utils/transformers_utils.py", ["get_packed_seq_params"], {"torch": torch}))  # get_packed_seq_params, as it imports
+    ns = dict(mpu=mpu, PackedSeqParams=psp.PackedSeqParams, is_torch_npu_available=no, Mapping=collections.abc.Mapping, partial=functools.partial,
+              _should_use_npu_generated_attention_mask=no, _get_packed_seq_params=rl["get_packed_seq_params"], get_current_device=lambda: dev,
+              split_cp_inputs=split_cp_inputs, profiling_decorator=lambda fn: fn, pad_logps_back_to_batch=rl["pad_logps_back_to_batch"])
+    exec(compile(open(p := os.path.join(rank.src, "swift/megatron/trainers/vocab_parallel_utils.py")).read(), p, "exec"), ns)  # whole: torch, megatron-core
+    [alone(rel, names.split(), ns) for rel, names in (("megatron/utils/utils.py", "get_packed_seq_params"), ("utils/torch_utils.py", "to_device"),
+     ("megatron/utils/megatron_lm_utils.py", "get_batch_on_this_cp_rank"), ("megatron/trainers/utils.py", "get_batch_on_this_pp_rank prepare_batch "
+      "reconstruct_tensor_cp"), ("megatron/trainers/grpo_trainer.py", "forward_step"))]  # forward_step: a method, compiled as a function
+    ids = [F.pad(t, (0, -len(t) % (2 * cp) if cp > 1 else 0)) for t in rank.tokens]  # template/base.py _data_collator: padded to 2 * cp,
+    labels = [torch.where(torch.arange(len(i), device=dev) < n - r, -100, i) for i, n, r in zip(ids, rank.total_lengths, rank.response_lengths)]  # prompt -100
+    w, pos, at = max(map(len, ids)), [torch.arange(len(i), device=dev) for i in ids], lambda xs, v=0: torch.stack([F.pad(x, (0, w - len(x)), value=v) for x in xs])
+    batch = dict({"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": torch.cat(pos)[None]} if free else {  # packed
+        "input_ids": at(ids), "labels": at(labels, -100), "position_ids": at(pos), "attention_mask": ~torch.stack(  # right-padded, inverted 4-D causal mask
+            [torch.ones(w, w, dtype=torch.bool, device=dev).tril() & (torch.arange(w, device=dev) < n) for n in rank.total_lengths])[:, None]}, seq_lens=rank.total_lengths)
+    mask, lens, _ = rl["build_completion_mask_and_seq_lengths"](batch["labels"], len(ids), padding_free=free, encoded_batch=batch, device=dev)
+    args = SimpleNamespace(task_type="causal_lm", pipeline_model_parallel_size=1, padding_free=free, is_multimodal=False, sequence_parallel=False,
+                           cp_partition_mode="zigzag", tensor_model_parallel_size=rank.tp_size, context_parallel_size=cp)  # megatron_args.py's defaults
+    trainer = SimpleNamespace(args=args, temperature=rank.temperature, compute_entropy=rank.with_entropy, enable_routing_replay=False, micro_batch_size=len(ids),
+                              loss_func=print, _prepare_batch=lambda d, vp_stage=None: ns["prepare_batch"](args, d, vp_stage))  # the model: its own output
+    lp, loss = ns["forward_step"](trainer, iter([dict(batch, grpo_batch=SimpleNamespace(completion_mask=mask, seq_lengths=lens))]), lambda **k: logits.clone())
+    pick = lambda x: None if x is None else [x[i][mask[i]][rank.share[i]] for i in range(len(ids))]  # noqa: E731  the rank's share
+    return pick(lp), pick(loss.keywords["data"]["per_token_entropy"])
+'''
 
 
 def _build(variant: str | None, config: TargetConfig) -> MsSwiftTarget:
