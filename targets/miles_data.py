@@ -24,6 +24,7 @@ import torch
 
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import Rollout
+from shardcheck.targets.cpu_stand_ins import current_device_is_cpu, tensor_cuda_stays
 from shardcheck.targets.slime_data import SlimeDataPath, _Iterator
 
 DATA_MODULE = "miles.backends.training_utils.data"
@@ -95,15 +96,7 @@ class MilesDataPath(SlimeDataPath):
 
     @contextlib.contextmanager
     def _device(self) -> Iterator[None]:
-        if torch.cuda.is_available():
-            yield
-            return
-        saved = torch.cuda.current_device, torch.Tensor.cuda
-        torch.cuda.current_device = lambda: "cpu"
-        torch.Tensor.cuda = lambda self, *args, **kwargs: self
-        if CPU_STAND_INS not in self.shims:
+        if not torch.cuda.is_available() and CPU_STAND_INS not in self.shims:
             self.shims.append(CPU_STAND_INS)
-        try:
+        with current_device_is_cpu(), tensor_cuda_stays("cuda" if torch.cuda.is_available() else "cpu"):
             yield
-        finally:
-            torch.cuda.current_device, torch.Tensor.cuda = saved

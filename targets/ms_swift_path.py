@@ -28,10 +28,9 @@ profiling decorator (its wrapper only times the call).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +38,7 @@ from typing import Any, Callable
 
 from shardcheck.targets.areal_data import compile_methods
 from shardcheck.targets.compiled import compile_alone
+from shardcheck.targets.cpu_stand_ins import tensor_cuda_stays
 
 GRPO_FILE = Path("swift/megatron/trainers/grpo_trainer.py")
 TRAINER_UTILS = Path("swift/megatron/trainers/utils.py")
@@ -69,27 +69,6 @@ class _TorchWithoutPinning:
         import torch
 
         return torch.tensor(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def cuda_stand_in(device: Any) -> Iterator[None]:
-    """On a CPU world only, while split_cp_inputs runs: ``Tensor.cuda`` returns the tensor itself
-    (its CP index is moved to CUDA: a device move, the values unchanged)."""
-    import torch
-
-    if device.type != "cpu":
-        yield
-        return
-    own = "cuda" in vars(torch.Tensor)
-    was = vars(torch.Tensor).get("cuda")
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own:
-            torch.Tensor.cuda = was  # type: ignore[method-assign]
-        else:
-            del torch.Tensor.cuda
 
 
 def harness_split() -> Callable[..., Any]:
@@ -171,7 +150,7 @@ class GrpoForwardPath:
                ["split_cp_inputs"] for on_cpu in (True, False)}
 
         def split(*args: Any, **kwargs: Any) -> Any:
-            with cuda_stand_in(self._device):
+            with tensor_cuda_stays(self._device):
                 return fns[self._device.type == "cpu"](*args, **kwargs)
 
         return split

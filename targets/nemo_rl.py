@@ -67,11 +67,9 @@ The signatures changed over NeMo-RL's history; :func:`detect_era` reads them fro
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import inspect
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +78,7 @@ from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.base import (Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig,
                                      layout_description, layout_option)
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.cpu_stand_ins import tensor_cuda_stays
 from shardcheck.targets.nemo_rl_data import (DATA_FILE, DTENSOR_CALLS, LOSS_UTILS_FILE, WRAPPER_FILE, NemoRLDataPath,
                                              PARALLELIZE_FILE, DTensorWorkerLines, DTensorWorkerMesh,
                                              NemoRLDTensorDataPath, NemoRLLossPath, dtensor_cp_logprobs,
@@ -784,7 +783,7 @@ class NemoRLTarget(CheckoutTarget):
         width = logits.shape[1]
         ids = _right_padded(inputs, width, logits.device)
         if self.dtensor_call == "train" and inputs.tp_size == 1:
-            with _cuda_stand_in(logits.device):  # that branch's input_ids[:, 1:].cuda()
+            with tensor_cuda_stays(logits.device):  # that branch's input_ids[:, 1:].cuda()
                 out = self._next_token(mod, ids, logits, sampling, chunk)
             return [out[r // width, r % width] for r in inputs.scored_rows()]
         if worker_mesh is not None and "tp_mesh" in worker_mesh:
@@ -867,30 +866,6 @@ class NemoRLTarget(CheckoutTarget):
         asked = scenario_sampling(inputs)
         top_k, top_p = asked if asked is not None else (None, 1.0)
         return cls(top_k=top_k, top_p=top_p, temperature=inputs.temperature)
-
-
-@contextlib.contextmanager
-def _cuda_stand_in(device: Any) -> Iterator[None]:
-    """On a CPU world only, for the duration of one NeMo-RL call: ``Tensor.cuda`` returns the
-    tensor itself. NeMo-RL's full-vocabulary branch moves ``input_ids[:, 1:]`` to CUDA, where its
-    logits are (a device move: the values are unchanged), and a CPU world has no CUDA; on a world
-    whose logits are on CUDA nothing stands in. A process runs one rank's call at a time (a real
-    rank, or the simulated ranks in turn), so nothing else sees the stand-in."""
-    import torch
-
-    if device.type != "cpu":
-        yield
-        return
-    own = "cuda" in vars(torch.Tensor)
-    was = vars(torch.Tensor).get("cuda")
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own:
-            torch.Tensor.cuda = was  # type: ignore[method-assign]
-        else:
-            del torch.Tensor.cuda
 
 
 def _right_padded(inputs: RankInputs, width: int, device: Any) -> Any:
