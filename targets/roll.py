@@ -48,6 +48,11 @@ one the whole-sequence loss gives it, which is what ROLL's own loss gives it.
 What ROLL does not do is skipped, with its reason: a temperature (its Megatron log-probs and
 entropy take none, and its workers divide the logits by none), all-gather CP (its CP is Megatron's
 zigzag), replayed keep sets and a top-k / top-p filter, a training step's loss.
+
+``repro_call`` (:data:`REPRO_CALL`): a ``shardcheck repro`` script compiles the same definitions
+alone from the checkout (torch and megatron-core's ``parallel_state`` its only imports besides the
+standard library) and calls them as :meth:`RollTarget.compute` does. The variant ``fsdp`` is ROLL's
+FSDP2 strategy with Ulysses sequence parallelism (:mod:`shardcheck.targets.roll_fsdp`).
 """
 
 from __future__ import annotations
@@ -204,6 +209,10 @@ class RollTarget(CheckoutTarget):
             out["stand_in"] = PIN_MEMORY_WHY
         return out
 
+    def repro_call(self) -> str | None:
+        """How a repro script calls ROLL (REPRO_CALL): the same definitions, compiled alone, on the same rows."""
+        return REPRO_CALL.replace("LOGITS_IN_FP32", str(self.logits_in_fp32))
+
     def _load(self) -> Any:
         """ROLL's strategy methods, compiled once, with what they call."""
         if self._strategy_class is not None:
@@ -313,7 +322,54 @@ def _share(inputs: RankInputs, batch: list[int], out: torch.Tensor) -> list[torc
     return taken
 
 
-def _build(variant: str | None, config: TargetConfig) -> RollTarget:
+# How a `shardcheck repro` script calls ROLL (harness/controller/commands/repro.py): torch, megatron-core's
+# parallel_state and the checkout alone, ROLL's definitions compiled alone from their files as RollTarget
+# does. They are loaded in the script's own process before any rank starts: a module or file missing is
+# said (exit 2) and is no finding. "LOGITS_IN_FP32" is the target's option, written in.
+REPRO_CALL = '''
+MA, S = "mcore_adapter/src/mcore_adapter/", "MegatronInferStrategy."  # what of each file runs; "Class.method": the class holds only those, base-less
+ROLL_FILES = {MA + "utils.py": ("divide", "ensure_divisibility"), MA + "parallel_functions/context_parallel.py": ("_ContextParallelGather", "context_parallel_gather"),
+              MA + "parallel_functions/vocab_parallel.py": ("VocabUtility", "_VocabParallelHelper", "_VocabParallelLogProbs", "vocab_parallel_logprobs"),
+              "roll/third_party/megatron/tensor_parallel.py": ("_VocabParallelEntropy", "vocab_parallel_entropy"), MA + "models/model_factory.py": ("PretrainedModel.get_batch_on_this_cp_rank",),
+              "roll/distributed/strategy/megatron_strategy.py": tuple(S + m for m in ("_get_feature_on_this_cp_rank", "op_compute_log_probs", "op_compute_entropy", "_unpack_sequences"))}
+try:  # ROLL's definitions compiled alone (lines kept; their modules import ray, transformers, Megatron's training), before any rank starts: what is missing is no finding
+    import __future__, ast, logging, megatron.core.parallel_state as mpu  # noqa: E401
+    src = (peek := argparse.ArgumentParser(add_help=False)).add_argument("--src", default=CASE["code"]["src"]) and peek.parse_known_args()[0].src
+    # torch, but tensor() drops pin_memory: get_batch_on_this_cp_rank's torch.tensor(..., pin_memory=True), which a CPU-only torch refuses (same values)
+    pinless = type("T", (), {"__getattr__": lambda _, n: getattr(torch, n), "tensor": staticmethod(lambda *a, pin_memory=0, **k: torch.tensor(*a, **k))})()
+    ROLL = dict(torch=pinless, dist=dist, mpu=mpu, FUSED_KERNEL_AVAILABLE=False, logger=logging.getLogger("roll"), current_platform=SimpleNamespace(device_type="cpu"))
+    for path, names in ((os.path.join(src, rel), names) for rel, names in ROLL_FILES.items()):
+        for node in (keep := [n for n in ast.parse(open(path).read(), path).body if getattr(n, "name", None) in {k.split(".")[0] for k in names}]):
+            if methods := [k.split(".")[1] for k in names if k.startswith(node.name + ".")]:  # the strategy's __init__ builds a model: not run
+                node.bases, node.keywords, node.body = [], [], [m for m in node.body if getattr(m, "name", None) in methods]
+        exec(compile(ast.Module(keep, []), path, "exec", __future__.annotations.compiler_flag, dont_inherit=True), ROLL)  # noqa: S102
+    torch._dynamo.config.disable = True  # vocab_parallel_entropy's torch.compile'd helper: eager, as the target runs it
+except (ImportError, OSError, SyntaxError) as exc: sys.exit(print(f"CANNOT RUN: {type(exc).__name__}: {exc} (needs torch, megatron-core and a ROLL checkout): no finding") or 2)
+def call_code_under_test(logits, rank):  # as shardcheck's roll target: bshd the padded batch (inner_forward_step), packed each sample _unpack_sequences yields
+    mpu.initialize_model_parallel(rank.tp_size, context_parallel_size=rank.cp_size)
+    ROLL["current_platform"].device_type, model, st, dev = logits.device.type, ROLL["PretrainedModel"](), ROLL["MegatronInferStrategy"](), logits.device
+    model.config, st.models_unwrapped, st.use_remove_padding = SimpleNamespace(context_parallel_size=rank.cp_size), [model], False
+    st.megatron_train_args, st.worker_config, log_probs, entropy = SimpleNamespace(cross_entropy_loss_fusion=False), SimpleNamespace(logits_in_fp32=LOGITS_IN_FP32), [], []
+    ends = torch.tensor([0] + [sum(s <= i for s, _ in rank.rows) for i in range(len(rank.tokens))], dtype=torch.int32, device=dev) * rank.cp_size  # cu_seqlens_padded
+    for x, batch in [(logits, range(len(rank.tokens)))] if rank.layout == "bshd" else [(x, [i]) for i, x in enumerate(st._unpack_sequences(logits, ends))]:
+        L, T, P = x.size(1) * rank.cp_size, [rank.total_lengths[i] for i in batch], [rank.total_lengths[i] - rank.response_lengths[i] for i in batch]
+        ids = torch.stack([torch.nn.functional.pad(rank.tokens[i], (0, L - t)) for i, t in zip(batch, T)])  # input_ids at full_seq_len
+        mask = torch.stack([((pos := torch.arange(L, device=dev)) >= p) & (pos < t) for p, t in zip(P, T)]).long()  # response_mask
+        share = [torch.tensor([p - 1 + k for k in rank.share[i]], dtype=torch.long, device=dev) for i, p in zip(batch, P)]  # output j scores token j + 1
+        log_probs += [o.index_select(0, s) for o, s in zip(st.op_compute_log_probs(logits=x, input_ids=ids, attention_mask=mask), share)]
+        with torch.set_grad_enabled(rank.entropy_coef > 0):  # > 0: the loss's entropy term; 0: forward_func_log_probs's metric
+            entropy += [o.index_select(0, s) for o, s in zip(st.op_compute_entropy(logits=x, attention_mask=mask), share)] if rank.with_entropy else []
+    return log_probs, entropy if rank.with_entropy else None
+'''
+
+
+def _build(variant: str | None, config: TargetConfig) -> Any:
+    if variant == "fsdp":  # its module builds on this one: imported when asked for
+        from shardcheck.targets.roll_fsdp import RollFSDPTarget
+
+        if config.get("logits_in_fp32") is not None:
+            raise BadInput("target 'roll': option logits_in_fp32 applies to the Megatron strategy (roll) only")
+        return RollFSDPTarget(config.src)
     try:
         fp32 = config.flag("logits_in_fp32")
     except ValueError as exc:
@@ -326,4 +382,7 @@ target = CheckoutFactory(
     doc=("alibaba/ROLL's Megatron strategy (op_compute_log_probs / op_compute_entropy with mcore_adapter's "
          "vocab_parallel_logprobs and context_parallel_gather) on the harness's rows (--roll-src, --target-src or "
          "SHARDCHECK_ROLL_SRC)"),
-    options={"logits_in_fp32": "ROLL's worker_config.logits_in_fp32 (default false): the entropy in float32"})
+    options={"logits_in_fp32": "ROLL's worker_config.logits_in_fp32 (default false): the entropy in float32"},
+    variants={"fsdp": "ROLL's FSDP2 strategy with Ulysses sequence parallelism: FSDP2InferStrategy.op_compute_log_probs "
+                      "/ op_compute_entropy (compiled alone) with ulysses_gather, on ROLL's rows (the padded batch sliced "
+                      "by get_feature_on_cp_rank); --suite sequence_parallel"})

@@ -6,7 +6,12 @@ with the live finding of docs/roll.md (mcore_adapter's vocab_parallel_logprobs w
 logits), its bfloat16 / float16 packed ones with the entropy's backward writing into the packed
 output; the same samples in bfloat16 pass but for the entropy computed in bfloat16. With
 SHARDCHECK_ROLL_REPO (a history clone; the bare mirror works) the fixed bug: deb4656a (the entropy
-cast to float32) fails at its parent 9ba2a44b with a value mismatch and passes at the fix."""
+cast to float32) fails at its parent 9ba2a44b with a value mismatch and passes at the fix, and a
+`shardcheck repro` script of that finding, run without shardcheck, finds it at the pin and not at
+the fix.
+
+Over 20 s: with a checkout and its history (about 40 s here), the smoke suite, two grids, two
+exported commits and a repro script run three times (each start imports megatron-core)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import os
 
 import pytest
 
-from conftest import export_commit, run_on_world
+from conftest import export_commit, run_cli, run_on_world, torch_only_python
 from shardcheck.errors import BadInput
 from shardcheck.scenarios import Scenario, get_suite
 from shardcheck.targets import roll
@@ -152,3 +157,28 @@ def test_the_entropy_in_bfloat16_fails_at_the_parent_of_the_float_cast_and_passe
         if commit == PARENT:
             assert "entropy sample 0 token 1: got 0.9375, want 0.896284" in run.stdout, run.stdout[-2000:]
     assert kinds == {PARENT: ["value_mismatch"], FIX: []}, kinds
+
+
+@needs_roll
+@needs_history
+def test_a_repro_script_finds_the_bfloat16_entropy_at_the_pin_and_not_at_the_fix(tmp_path):
+    """`shardcheck repro` writes finding 3 as a script; run by a python that reaches torch and
+    megatron-core but not shardcheck, it compiles ROLL's definitions from the checkout: exit 1
+    (FOUND) at the pin, 0 at deb4656a (--src), and 2 (no finding) where the checkout is missing."""
+    import json
+    import subprocess
+
+    (tmp_path / "tiny.json").write_text(json.dumps([BF16_ENTROPY]))
+    script = tmp_path / "repro.py"
+    made = run_cli("repro", "--target", "roll", "--roll-src", ROLL_SRC, "--scenario-file", str(tmp_path / "tiny.json"),
+                   "--scenario", "bf16-entropy", "--out", str(script), cwd=str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    assert script.read_text().count("\n") < 300 and "shardcheck." not in script.read_text()
+    python = torch_only_python(tmp_path)
+    fixed = export_commit(os.environ[REPO_ENV], FIX, tmp_path / "fix", *PATHS)
+    ran = {name: subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+           for name, args in (("pin", ()), ("fix", ("--src", fixed)), ("none", ("--src", str(tmp_path / "none"))))}
+    assert ran["pin"].returncode == 1, ran["pin"].stdout + ran["pin"].stderr[-2000:]
+    assert "FOUND in roll" in ran["pin"].stdout and "entropy 0.9375, want 0.89628408" in ran["pin"].stdout
+    assert ran["fix"].returncode == 0 and "NOT FOUND" in ran["fix"].stdout, ran["fix"].stdout + ran["fix"].stderr[-2000:]
+    assert ran["none"].returncode == 2 and ran["none"].stdout.startswith("CANNOT RUN"), ran["none"].stdout
