@@ -1,5 +1,6 @@
-"""The framework targets as registered (the ``shardcheck.targets`` entry points verl, areal and
-skyrl): each framework's adapter with its training-step loss variant (and verl's FSDP engine).
+"""The framework targets as registered (the ``shardcheck.targets`` entry points verl, areal, skyrl
+and roll): each framework's adapter with its training-step loss variant (and verl's, AReaL's and
+ROLL's FSDP engines).
 
 A loss module builds on its framework's adapter (``verl_loss`` on ``verl``), so the factory that
 offers both lives above the two rather than in the adapter: no circle of imports. Each adapter's
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from shardcheck.errors import BadInput
-from shardcheck.targets import areal, areal_fsdp, areal_loss, skyrl, skyrl_loss, verl, verl_fsdp, verl_loss
+from shardcheck.targets import (areal, areal_fsdp, areal_loss, roll, roll_fsdp, skyrl, skyrl_loss, verl, verl_fsdp,
+                                verl_loss)
 from shardcheck.targets.checkout import CheckoutFactory
 
 
@@ -46,3 +48,18 @@ LOSS_OPTIONS = {"verl": verl.LOSS_OPTIONS}
 verl_target = with_loss(verl.target, verl_loss.build, {"fsdp": verl_fsdp.build})
 areal_target = with_loss(areal.target, areal_loss.ArealLossTarget, {"fsdp": areal_fsdp.build})
 skyrl_target = with_loss(skyrl.target, _skyrl_loss)
+
+
+def _roll(variant: str | None, config: Any) -> Any:
+    if variant == "fsdp":
+        if config.get("logits_in_fp32") is not None:
+            raise BadInput("target 'roll': option logits_in_fp32 applies to the Megatron strategy (roll) only")
+        return roll_fsdp.RollFSDPTarget(config.src)
+    return roll.target(None, config)
+
+
+roll_target = CheckoutFactory(
+    roll.FRAMEWORK, _roll, doc=roll.target.__doc__ or "", options=roll.target.options,
+    variants={"fsdp": "ROLL's FSDP2 strategy with Ulysses sequence parallelism: FSDP2InferStrategy.op_compute_log_probs "
+                      "/ op_compute_entropy (compiled alone) with ulysses_gather, on ROLL's rows (the padded batch sliced "
+                      "by get_feature_on_cp_rank); --suite sequence_parallel"})

@@ -52,7 +52,8 @@ zigzag), replayed keep sets and a top-k / top-p filter, a training step's loss.
 ``repro_call`` (:data:`REPRO_CALL`): a ``shardcheck repro`` script compiles the same definitions
 alone from the checkout (torch and megatron-core's ``parallel_state`` its only imports besides the
 standard library) and calls them as :meth:`RollTarget.compute` does. The variant ``fsdp`` is ROLL's
-FSDP2 strategy with Ulysses sequence parallelism (:mod:`shardcheck.targets.roll_fsdp`).
+FSDP2 strategy with Ulysses sequence parallelism (:mod:`shardcheck.targets.roll_fsdp`; the factory offering
+both is :data:`shardcheck.targets.frameworks.roll_target`).
 """
 
 from __future__ import annotations
@@ -364,12 +365,6 @@ def call_code_under_test(logits, rank):  # as shardcheck's roll target: bshd the
 
 
 def _build(variant: str | None, config: TargetConfig) -> Any:
-    if variant == "fsdp":  # its module builds on this one: imported when asked for
-        from shardcheck.targets.roll_fsdp import RollFSDPTarget
-
-        if config.get("logits_in_fp32") is not None:
-            raise BadInput("target 'roll': option logits_in_fp32 applies to the Megatron strategy (roll) only")
-        return RollFSDPTarget(config.src)
     try:
         fp32 = config.flag("logits_in_fp32")
     except ValueError as exc:
@@ -377,12 +372,11 @@ def _build(variant: str | None, config: TargetConfig) -> Any:
     return RollTarget(config.src, logits_in_fp32=fp32)
 
 
+# the Megatron strategy's target; the registered factory, with the fsdp variant whose module builds on
+# this one, is shardcheck.targets.frameworks.roll_target (no circle of imports)
 target = CheckoutFactory(
     FRAMEWORK, _build,
     doc=("alibaba/ROLL's Megatron strategy (op_compute_log_probs / op_compute_entropy with mcore_adapter's "
          "vocab_parallel_logprobs and context_parallel_gather) on the harness's rows (--roll-src, --target-src or "
          "SHARDCHECK_ROLL_SRC)"),
-    options={"logits_in_fp32": "ROLL's worker_config.logits_in_fp32 (default false): the entropy in float32"},
-    variants={"fsdp": "ROLL's FSDP2 strategy with Ulysses sequence parallelism: FSDP2InferStrategy.op_compute_log_probs "
-                      "/ op_compute_entropy (compiled alone) with ulysses_gather, on ROLL's rows (the padded batch sliced "
-                      "by get_feature_on_cp_rank); --suite sequence_parallel"})
+    options={"logits_in_fp32": "ROLL's worker_config.logits_in_fp32 (default false): the entropy in float32"})

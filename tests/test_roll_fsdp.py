@@ -18,6 +18,7 @@ from shardcheck.errors import BadInput
 from shardcheck.scenarios import get_suite
 from shardcheck.targets import roll, roll_fsdp
 from shardcheck.targets.base import TargetConfig
+from shardcheck.targets.frameworks import roll_target
 
 ROLL_SRC = os.environ.get(roll.ENV)
 needs_roll = pytest.mark.skipif(
@@ -30,13 +31,13 @@ def test_a_roll_checkout_without_the_fsdp2_strategy_is_refused_in_one_line(tmp_p
     marker.parent.mkdir(parents=True)
     marker.write_text("")
     with pytest.raises(BadInput) as exc:
-        roll.target("fsdp", TargetConfig(str(tmp_path)))
+        roll_target("fsdp", TargetConfig(str(tmp_path)))
     assert roll_fsdp.NO_STRATEGY_WHY in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_the_megatron_option_is_refused_for_the_fsdp_variant(tmp_path):
     with pytest.raises(BadInput) as exc:
-        roll.target("fsdp", TargetConfig(str(tmp_path), (("logits_in_fp32", "true"),)))
+        roll_target("fsdp", TargetConfig(str(tmp_path), (("logits_in_fp32", "true"),)))
     assert "logits_in_fp32" in str(exc.value) and "\n" not in str(exc.value)
 
 
