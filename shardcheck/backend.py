@@ -79,6 +79,20 @@ def requested_backend() -> str:
     return config.backend if config is not None else os.environ.get(BACKEND_ENV, "auto")
 
 
+def ranks_on_nccl() -> bool:
+    """Whether this command's groups will run on nccl, for a target deciding before the world
+    starts: asked for, or auto with two GPUs or more (a broken CUDA set-up counts as none)."""
+    asked = requested_backend()
+    if asked != "auto":
+        return asked == "nccl"
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    except Exception:
+        return False
+
+
 def gloo_safe_all_gather(tensor: Any, group: Any = None) -> tuple[Any, ...]:
     """torch.distributed.nn.functional.all_gather's contract (forward: all-gather; backward:
     reduce-scatter of the gradients, SUM), with a backward gloo runs on any subgroup. torch's own

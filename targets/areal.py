@@ -49,6 +49,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from shardcheck.backend import ranks_on_nccl
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import MEGATRON_LAYOUTS, Scenario
 from shardcheck.targets.areal_data import (DATA_FILE, ENGINE_FILE, GLOO_SAFE_DIST_F, TRAIN_ENGINE_FILE,
@@ -205,7 +206,7 @@ class ArealTarget(CheckoutTarget):
     def _all_gather_rule(self, scenario: Scenario) -> str | None:
         """areal:engine under CP where AReaL reassembles with torch's all-gather, on a gloo world."""
         if scenario.cp == 1 or self.variant not in TRAIN_PATH_VARIANTS or not self.era.engine["reassembles"] \
-                or self.cp_all_gather is not None or _ranks_on_nccl():
+                or self.cp_all_gather is not None or ranks_on_nccl():
             return None
         return ("AReaL's reassemble_cp_packed_logprobs calls torch.distributed.nn.functional.all_gather, whose "
                 "backward on gloo (_AlltoAll) scatters with the CP group's rank as a global src: it fails on any CP "
@@ -373,21 +374,6 @@ class ArealTarget(CheckoutTarget):
                                   "all-reduced, the rank's slice kept = reduce-scatter SUM) instead of torch's"}[
                     self.cp_all_gather]
         return out
-
-
-def _ranks_on_nccl() -> bool:
-    """Whether this command's CP groups run on nccl: asked for, or auto with two GPUs or more."""
-    from shardcheck.backend import requested_backend
-
-    asked = requested_backend()
-    if asked != "auto":
-        return asked == "nccl"
-    try:
-        import torch
-
-        return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    except Exception:  # a broken CUDA set-up counts as none
-        return False
 
 
 def _build(variant: str | None, config: TargetConfig) -> ArealTarget:

@@ -111,7 +111,8 @@ from typing import Any
 
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
-from shardcheck.targets.areal import ENTRY_POINTS, FRAMEWORK, VOCAB_PARALLEL_FILE, _closure, _ranks_on_nccl
+from shardcheck.backend import ranks_on_nccl
+from shardcheck.targets.areal import ENTRY_POINTS, FRAMEWORK, VOCAB_PARALLEL_FILE, _closure
 from shardcheck.targets.base import (Capabilities, Definitions, Knob, RankInputs, RankOutputs, Rollout,
                                      TargetConfig, layout_description)
 from shardcheck.targets.checkout import CheckoutTarget, PreparedInputsPath
@@ -452,7 +453,7 @@ class ArealFSDPTarget(CheckoutTarget):
 
     @staticmethod
     def _rule(scenario: Scenario) -> str | None:
-        if scenario.sp > 1 and scenario.tp > 1 and not _ranks_on_nccl():
+        if scenario.sp > 1 and scenario.tp > 1 and not ranks_on_nccl():
             return GLOO_WHY
         return None
 

@@ -49,7 +49,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
-from shardcheck.backend import gloo_safe_all_gather, requested_backend
+from shardcheck.backend import gloo_safe_all_gather, ranks_on_nccl
 from shardcheck.errors import BadInput
 from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.areal_data import _dataclass  # @dataclass on a class compiled alone
@@ -148,17 +148,6 @@ class _Over:
         return self._over[name] if name in self._over else getattr(self._base, name)
 
 
-def _ranks_on_nccl() -> bool:
-    """Whether this command's groups run on nccl: asked for, or auto with two GPUs or more."""
-    asked = requested_backend()
-    if asked != "auto":
-        return asked == "nccl"
-    try:
-        return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    except Exception:  # a broken CUDA set-up counts as none
-        return False
-
-
 class _HarnessModel(torch.nn.Module):
     """The model get_logprobs calls: the harness's logits for the rows it holds."""
 
@@ -230,7 +219,7 @@ class MegatronRlTarget(CheckoutTarget):
     def _rule(self, scenario: Scenario) -> str | None:
         if scenario.temperature != 1.0:
             return TEMPERATURE_WHY.format(t=scenario.temperature)
-        if scenario.cp > 1 and self.era.cp_scatter and self.cp_all_gather is None and not _ranks_on_nccl():
+        if scenario.cp > 1 and self.era.cp_scatter and self.cp_all_gather is None and not ranks_on_nccl():
             return GLOO_WHY
         return None
 
