@@ -196,7 +196,7 @@ def _build(variant: str | None, config: TargetConfig) -> MilesTarget:
 
 target = CheckoutFactory(
     FRAMEWORK, _build,
-    doc=("radixark/miles's get_log_probs_and_entropy (loss_hub/logit_processors.py) on the harness's rows, its "
+    doc=("radixark/miles's get_log_probs_and_entropy (loss_hub/logit_processors.py) on its own get_batch's rows, its "
          "ParallelState built by its own create_megatron_parallel_state (--miles-src, --target-src or "
          "SHARDCHECK_MILES_SRC)"),
     options={"layout": "framework (default): miles's get_batch lays out each rank's rows; shardcheck: the harness's "
