@@ -1,5 +1,5 @@
-"""The framework targets as registered (the ``shardcheck.targets`` entry points verl, areal, skyrl
-and roll): each framework's adapter with its training-step loss variant (and verl's, AReaL's and
+"""The framework targets as registered (the ``shardcheck.targets`` entry points verl, areal, skyrl,
+miles and roll): each framework's adapter with its training-step loss variant (and verl's, AReaL's and
 ROLL's FSDP engines).
 
 A loss module builds on its framework's adapter (``verl_loss`` on ``verl``), so the factory that
@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from shardcheck.errors import BadInput
-from shardcheck.targets import (areal, areal_fsdp, areal_loss, roll, roll_fsdp, skyrl, skyrl_loss, verl, verl_fsdp,
-                                verl_loss)
+from shardcheck.targets import (areal, areal_fsdp, areal_loss, miles, miles_loss, roll, roll_fsdp, skyrl, skyrl_loss,
+                                verl, verl_fsdp, verl_loss)
 from shardcheck.targets.checkout import CheckoutFactory
 
 
@@ -43,11 +43,12 @@ def _skyrl_loss(config: Any) -> Any:
 
 
 # the options a loss variant takes (a framework not named here: any, as before)
-LOSS_OPTIONS = {"verl": verl.LOSS_OPTIONS}
+LOSS_OPTIONS = {"verl": verl.LOSS_OPTIONS, "miles": ("layout", "calculate_per_token_loss")}
 
 verl_target = with_loss(verl.target, verl_loss.build, {"fsdp": verl_fsdp.build})
 areal_target = with_loss(areal.target, areal_loss.ArealLossTarget, {"fsdp": areal_fsdp.build})
 skyrl_target = with_loss(skyrl.target, _skyrl_loss)
+miles_target = with_loss(miles.target, miles_loss.build)
 
 
 def _roll(variant: str | None, config: Any) -> Any:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardcheck.targets.base import Capabilities, RankInputs, RankOutputs, TargetConfig, layout_description, layout_option
-from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget, refuse_loss_variant
 from shardcheck.targets.compiled import compile_alone
 from shardcheck.targets.miles_data import DATA_MODULE, MilesDataPath, read_get_batch
 from shardcheck.targets.slime import _Args, _rollout_on  # slime's args recorder and rollout move: its fork's
@@ -191,6 +191,7 @@ def call_code_under_test(logits, rank):
 
 
 def _build(variant: str | None, config: TargetConfig) -> MilesTarget:
+    refuse_loss_variant("miles", variant, config, ("calculate_per_token_loss",))
     return MilesTarget(config.src, layout_option(config, framework="framework (miles's get_batch)"))
 
 
@@ -200,4 +201,11 @@ target = CheckoutFactory(
          "ParallelState built by its own create_megatron_parallel_state (--miles-src, --target-src or "
          "SHARDCHECK_MILES_SRC)"),
     options={"layout": "framework (default): miles's get_batch lays out each rank's rows; shardcheck: the harness's "
-                       "own layout, handed to miles's functions as before"})
+                       "own layout, handed to miles's functions as before",
+             "calculate_per_token_loss": "miles:loss only: miles's --calculate-per-token-loss (default false: each "
+                                         "sample's token mean over the step's rollouts; true: the global batch's token mean)"},
+    # built by the registered factory (shardcheck.targets.frameworks.miles_target): its module builds on this one
+    variants={"loss": "radixark/miles's loss_function in a training step (megatron-core's schedule and DDP around it, "
+                      "get_batch's micro-batches): policy_loss_function through miles's dispatch, its all-gather CP "
+                      "term and its rescale for megatron (apply_megatron_loss_scaling, num_rollouts, as "
+                      "train_one_step calls it)"})
