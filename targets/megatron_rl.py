@@ -55,6 +55,7 @@ from shardcheck.scenarios.scenario import Scenario
 from shardcheck.targets.areal_data import _dataclass  # @dataclass on a class compiled alone
 from shardcheck.targets.base import Capabilities, Definitions, RankInputs, RankOutputs, TargetConfig
 from shardcheck.targets.checkout import CheckoutFactory, CheckoutTarget
+from shardcheck.targets.cpu_stand_ins import current_device_is_cpu
 from shardcheck.targets.compiled import compile_alone
 from shardcheck.targets.source import Framework
 
@@ -123,21 +124,6 @@ def _thd_get_partitioned_indices(cu_seqlens: torch.Tensor, total_tokens: int, wo
     return torch.tensor(out, dtype=torch.int32, device=cu_seqlens.device)
 
 
-@contextmanager
-def _current_device_on_cpu() -> Iterator[None]:
-    """megatron-core's _gather_along_last_dim allocates on torch.cuda.current_device(): on a CPU
-    world, the CPU."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = saved
-
-
 class _Over:
     """A module as the compiled code reads it, some attributes replaced (the rest its own)."""
 
@@ -167,7 +153,7 @@ class _HarnessModel(torch.nn.Module):
         if runtime_gather_output and self._inputs.tp_size > 1:
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-            with _current_device_on_cpu():
+            with current_device_is_cpu():
                 logits = gather_from_tensor_model_parallel_region(logits, self.pg_collection.tp)
         return logits
 
@@ -213,7 +199,7 @@ class MegatronRlTarget(CheckoutTarget):
         self._fns: dict[str, Any] | None = None
 
     def repro_call(self) -> str | None:
-        """How a repro script calls get_logprobs (REPRO_CALL): at tp 1 and cp 1, the same stand-ins."""
+        """How a repro script calls get_logprobs (REPRO_CALL): the same stand-ins; not under CP."""
         return REPRO_CALL
 
     def _rule(self, scenario: Scenario) -> str | None:
@@ -333,32 +319,31 @@ class MegatronRlTarget(CheckoutTarget):
 
 
 # How a `shardcheck repro` script calls Megatron-LM (harness/controller/commands/repro.py): get_logprobs and
-# selective_log_softmax compiled alone from rank.src with the target's stand-ins, at tp 1 and cp 1 (the
-# script's loss is each rank's own share; the target's CP loss is over the gathered sequence).
+# selective_log_softmax compiled alone from rank.src with the target's stand-ins, the logits gathered over TP as
+# the target's model does; not under CP (repro refuses it: the target's CP loss is over the gathered sequence).
 REPRO_CALL = '''
 def call_code_under_test(logits, rank):
-    """Megatron-LM's get_logprobs from rank.src, as shardcheck's megatron_rl target calls it (tp 1, cp 1)."""
+    """Megatron-LM's get_logprobs from rank.src, as shardcheck's megatron_rl target calls it."""
     import ast, contextlib  # noqa: E401
-    if rank.tp_size > 1 or rank.cp_size > 1:
-        raise NotImplementedError("this repro calls Megatron-LM's get_logprobs at tp 1 and cp 1 only")
+    from megatron.core import parallel_state as mpu, tensor_parallel
+    mpu.initialize_model_parallel(rank.tp_size)  # each rank's process calls this once
+    if not torch.cuda.is_available():  # where megatron-core's TP gather allocates: the CPU
+        torch.cuda.current_device = lambda: "cpu"
     path = os.path.join(rank.src, "megatron", "rl", "rl_utils.py")  # its module imports Megatron-LM's whole stack
     defs = [n for n in ast.parse(open(path).read()).body
             if isinstance(n, ast.FunctionDef) and n.name in ("selective_log_softmax", "get_logprobs")]
-
-    @contextlib.contextmanager
-    def no_range(msg, time=False, log_level=1):  # get_nvtx_range's: profiling only
-        yield
-
     args = SimpleNamespace(fp16=logits.dtype == torch.float16, bf16=logits.dtype == torch.bfloat16)
     ns = {"torch": torch, "nullcontext": contextlib.nullcontext, "get_args": lambda: args,
-          "get_nvtx_range": lambda: no_range, "get_attr_wrapped_model": lambda model, attr: getattr(model, attr),
+          "get_nvtx_range": lambda: lambda msg, time=False, log_level=1: contextlib.nullcontext(),  # profiling only
+          "get_attr_wrapped_model": lambda model, attr: getattr(model, attr),
           "is_pp_last_stage": lambda group: True, "is_batch_invariant_mode_enabled": lambda: False,
           "set_model_config_attribute": lambda model, attr, value: setattr(model.config, attr, value),
           "PackedSeqParams": lambda **kw: SimpleNamespace(**kw)}
     exec(compile(ast.Module(defs, []), path, "exec"), ns)
 
-    def model(tokens, position_ids, attention_mask, **kw):  # the model: these logits, for these rows
-        return logits
+    def model(tokens, position_ids, attention_mask, runtime_gather_output=None, **kw):  # these logits, these rows
+        gather = runtime_gather_output and rank.tp_size > 1  # the output layer's TP gather, as the target's model
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits) if gather else logits
 
     model.config, model.pg_collection = SimpleNamespace(flash_decode=False), SimpleNamespace(cp=None, pp=None)
     totals, prompts = rank.total_lengths, [t - r for t, r in zip(rank.total_lengths, rank.response_lengths)]
